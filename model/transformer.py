@@ -1,0 +1,201 @@
+"""The decoder as Flax Linen modules: attention, MoE / dense FFN, block, NextN (MTP) block, decoder.
+
+Applied functionally, `Decoder(cfg).apply({"params": params}, tokens, ring=ring)`; no mutable collections:
+the KV ring goes in as an argument and comes back updated. Weights are dense arrays (training, `init`) or
+packed `QTensor`s read from GGUF (inference); every matmul goes through ops.layers.linear / ops.moe.moe,
+which accept both.
+
+Parameter tree (GGUF names in brackets, see model/gguf_io.py):
+  token_embd [token_embd], output_norm [output_norm], output [output, absent when tied],
+  blk_i/{attn_norm, ffn_norm [ffn_norm | post_attention_norm],
+         attn/{wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm},
+         ffn/{router [ffn_gate_inp], router_bias [exp_probs_b], gate_exps, up_exps, down_exps,
+              gate_shexp, up_shexp, down_shexp, shexp_gate [ffn_gate_inp_shexp]}   (MoE blocks)
+         ffn/{gate, up, down}                                                        (dense blocks)}
+  mtp_j/{enorm, hnorm, eh_proj, embed_tokens?, shared_head_norm, shared_head_head?, blk/...}  (NextN)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from decode.kv_ring import KVRing
+from model.config import ModelConfig
+from ops import attention as attn_ops
+from ops import moe as moe_ops
+from ops.layers import linear, rms_norm, rope_neox, swiglu
+from ops.qtensor import QTensor, as_dense
+
+_init = nn.initializers.normal(0.02)
+_ones = nn.initializers.ones
+_zeros = nn.initializers.zeros
+
+
+def _causal_attention(q_THD, k_THD, v_THD, scale):
+  """Plain causal attention over T tokens (training / no cache)."""
+  T, Hq, Dh = q_THD.shape
+  Hkv = k_THD.shape[1]
+  q = q_THD.reshape(T, Hkv, Hq // Hkv, Dh) * scale
+  s = jnp.einsum("tkgd,skd->tkgs", q, k_THD)
+  mask = jnp.tril(jnp.ones((T, T), bool))
+  s = jnp.where(mask[:, None, None, :], s, -1e30)
+  p = jax.nn.softmax(s, axis=-1)
+  return jnp.einsum("tkgs,skd->tkgd", p, v_THD).reshape(T, Hq, Dh)
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+  ring_layer: int          # this block's layer index in the ring it attends over
+
+  @nn.compact
+  def __call__(self, x_TD, pos_T, ring: KVRing | None, attn_block: int):
+    c = self.cfg
+    D, Hq, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+    wq = self.param("wq", _init, (Hq * Dh, D))
+    wk = self.param("wk", _init, (Hkv * Dh, D))
+    wv = self.param("wv", _init, (Hkv * Dh, D))
+    wo = self.param("wo", _init, (D, Hq * Dh))
+    bq = bk = bv = None
+    if c.qkv_bias:
+      bq, bk, bv = (self.param(n, _zeros, (s,)) for n, s in (("bq", Hq * Dh), ("bk", Hkv * Dh), ("bv", Hkv * Dh)))
+    T = x_TD.shape[0]
+    q = linear(x_TD, wq, bq).reshape(T, Hq, Dh)
+    k = linear(x_TD, wk, bk).reshape(T, Hkv, Dh)
+    v = linear(x_TD, wv, bv).reshape(T, Hkv, Dh)
+    if c.qk_norm:
+      q = rms_norm(q, self.param("q_norm", _ones, (Dh,)), c.rms_eps)
+      k = rms_norm(k, self.param("k_norm", _ones, (Dh,)), c.rms_eps)
+    q = rope_neox(q, pos_T, c.rope_dim, c.rope_theta)
+    k = rope_neox(k, pos_T, c.rope_dim, c.rope_theta)
+    scale = 1.0 / float(Dh) ** 0.5
+    if ring is None:
+      o = _causal_attention(q, k, v.astype(jnp.float32), scale)
+    else:
+      ring = ring.write(self.ring_layer, pos_T, k, v)
+      L = self.ring_layer
+      o = attn_ops.ring_attention(
+          q, ring.k[L], ring.v[L],
+          None if ring.k_scale is None else ring.k_scale[L],
+          None if ring.v_scale is None else ring.v_scale[L],
+          pos_T, ring.length + T, block=attn_block, scale=scale)
+    return linear(o.reshape(T, Hq * Dh), wo), ring
+
+
+class DenseMLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_TD):
+    D, F = self.cfg.d_model, self.cfg.d_ff
+    gate = self.param("gate", _init, (F, D))
+    up = self.param("up", _init, (F, D))
+    down = self.param("down", _init, (D, F))
+    return linear(swiglu(linear(x_TD, gate), linear(x_TD, up)), down)
+
+
+class MoE(nn.Module):
+  """Routed experts (softmax top-k, or sigmoid with a selection bias) plus an optional shared expert."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_TD):
+    c = self.cfg
+    D, E, F = c.d_model, c.n_experts, c.d_ff_expert
+    router = self.param("router", _init, (E, D))
+    gate = self.param("gate_exps", _init, (E, F, D))
+    up = self.param("up_exps", _init, (E, F, D))
+    down = self.param("down_exps", _init, (E, D, F))
+    logits = linear(x_TD, router)                                    # [T, E] float32
+    if c.routing == "softmax":
+      probs = jax.nn.softmax(logits, axis=-1)
+      select = probs
+    else:
+      probs = jax.nn.sigmoid(logits)
+      select = probs + self.param("router_bias", _zeros, (E,)).astype(jnp.float32)
+    _, ids = jax.lax.top_k(select, c.top_k)                           # [T, K] int32
+    w = jnp.take_along_axis(probs, ids, axis=-1)
+    if c.norm_topk:
+      w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 6.103515625e-5)
+    if c.routed_scale not in (0.0, 1.0):
+      w = w * c.routed_scale
+    y = moe_ops.moe(x_TD, ids.astype(jnp.int32), w, gate, up, down)
+    if c.n_shared_experts or c.shared_expert_gate:
+      Fs = c.d_ff_shared
+      gs = self.param("gate_shexp", _init, (Fs, D))
+      us = self.param("up_shexp", _init, (Fs, D))
+      ds = self.param("down_shexp", _init, (D, Fs))
+      ys = linear(swiglu(linear(x_TD, gs), linear(x_TD, us)), ds)
+      if c.shared_expert_gate:
+        g = self.param("shexp_gate", _init, (D,))          # qwen2moe: one gate logit per token
+        ys = ys * jax.nn.sigmoid(x_TD.astype(jnp.float32) @ g.astype(jnp.float32))[:, None]
+      y = y + ys
+    return y
+
+
+class Block(nn.Module):
+  """Pre-norm decoder block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+  cfg: ModelConfig
+  index: int               # block index in the file (decides dense vs MoE)
+  ring_layer: int
+
+  @nn.compact
+  def __call__(self, x_TD, pos_T, ring, attn_block):
+    c = self.cfg
+    h = rms_norm(x_TD, self.param("attn_norm", _ones, (c.d_model,)), c.rms_eps)
+    a, ring = Attention(c, self.ring_layer, name="attn")(h, pos_T, ring, attn_block)
+    x = x_TD + a
+    h = rms_norm(x, self.param("ffn_norm", _ones, (c.d_model,)), c.rms_eps)
+    ffn = MoE(c, name="ffn") if c.is_moe_layer(self.index) else DenseMLP(c, name="ffn")
+    return x + ffn(h), ring
+
+
+def _embed(table, tokens_T):
+  if isinstance(table, QTensor):
+    return table[tokens_T].dense(jnp.float32)
+  return jnp.asarray(table)[tokens_T].astype(jnp.float32)
+
+
+class Decoder(nn.Module):
+  """Trunk: embedding, blocks, output norm and head. Returns (logits [T, V], hidden [T, D], ring).
+
+  `hidden` is the final hidden state after output_norm, which is what the NextN block consumes.
+  """
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_T, pos_T, ring: KVRing | None = None, attn_block: int = 256):
+    c = self.cfg
+    embed = self.param("token_embd", _init, (c.vocab_size, c.d_model))
+    x = _embed(embed, tokens_T)
+    for i in range(c.n_layers):
+      x, ring = Block(c, i, i, name=f"blk_{i}")(x, pos_T, ring, attn_block)
+    hidden = rms_norm(x, self.param("output_norm", _ones, (c.d_model,)), c.rms_eps)
+    head = embed if c.tied_embeddings else self.param("output", _init, (c.vocab_size, c.d_model))
+    return linear(hidden, head), hidden, ring
+
+
+class MTPBlock(nn.Module):
+  """NextN block j: predicts token t+2 from the target's hidden state at t and the embedding of token t+1.
+
+  x = eh_proj(concat(enorm(emb(tok)), hnorm(h)))   (embedding first, as llama.cpp's glm4moe MTP graph),
+  then a full decoder block over the drafter's own ring at absolute positions pos_T, then
+  shared_head_norm and the head (its own shared_head_head, else the trunk's output).
+  `main_params` supplies token_embd / output when the block has none of its own.
+  """
+  cfg: ModelConfig
+  j: int = 0
+
+  @nn.compact
+  def __call__(self, hidden_TD, tokens_T, pos_T, ring: KVRing | None, embed, head, attn_block: int = 256):
+    c = self.cfg
+    D = c.d_model
+    emb_tbl = self.param("embed_tokens", _init, (c.vocab_size, D)) if self.has_variable("params", "embed_tokens") else embed
+    e = rms_norm(_embed(emb_tbl, tokens_T), self.param("enorm", _ones, (D,)), c.rms_eps)
+    hh = rms_norm(hidden_TD, self.param("hnorm", _ones, (D,)), c.rms_eps)
+    x = linear(jnp.concatenate([e, hh], axis=-1), self.param("eh_proj", _init, (D, 2 * D)))
+    x, ring = Block(c, c.n_layers + self.j, self.j, name="blk")(x, pos_T, ring, attn_block)
+    h = rms_norm(x, self.param("shared_head_norm", _ones, (D,)), c.rms_eps)
+    if self.has_variable("params", "shared_head_head"):
+      head = self.param("shared_head_head", _init, (c.vocab_size, D))
+    return linear(h, head), h, ring

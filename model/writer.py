@@ -1,0 +1,162 @@
+"""GGUF writer: tiny random models for tests, and full-size synthetic files for benchmarks.
+
+`write_gguf` writes every tensor `model.gguf_io.tensor_map` names for a `ModelConfig`, streaming one tensor
+at a time (a 30B-shape file never sits in memory). Float tensors get random values of a stable scale;
+quantized tensors are random *valid* blocks written directly as bytes (`ops.quant.random_blocks`), which is
+how the full-size synthetic files are made without any real weights.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from model.config import ModelConfig
+from model.gguf_io import tensor_map
+
+TypePolicy = Callable[[str, tuple[int, ...]], str]
+
+
+def float_policy(dtype: str = "F16") -> TypePolicy:
+  """2-D and 3-D weights in `dtype` (F32/F16/BF16), 1-D tensors (norms, biases) in F32, as llama.cpp writes."""
+  return lambda name, shape: "F32" if len(shape) == 1 else dtype
+
+
+def quant_policy(experts: str = "IQ3_S", other: str = "Q8_0") -> TypePolicy:
+  """Routed experts in `experts`, other matrices in `other`, router and 1-D tensors in F32."""
+  def pick(name: str, shape: tuple[int, ...]) -> str:
+    if len(shape) == 1 or "ffn_gate_inp" in name:
+      return "F32"
+    return experts if "_exps." in name else other
+  return pick
+
+
+def _write_metadata(w, c: ModelConfig, name: str) -> None:
+  a = c.arch
+  w.add_string("general.name", name)
+  u32 = lambda k, v: w.add_uint32(f"{a}.{k}", int(v))  # noqa: E731
+  u32("block_count", c.n_blocks)
+  u32("context_length", c.context_length)
+  u32("embedding_length", c.d_model)
+  u32("feed_forward_length", c.d_ff or c.d_ff_expert * c.top_k)
+  u32("attention.head_count", c.n_heads)
+  u32("attention.head_count_kv", c.n_kv_heads)
+  u32("attention.key_length", c.head_dim)
+  u32("attention.value_length", c.head_dim)
+  u32("rope.dimension_count", c.rope_dim)
+  w.add_float32(f"{a}.rope.freq_base", c.rope_theta)
+  w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", c.rms_eps)
+  u32("expert_count", c.n_experts)
+  u32("expert_used_count", c.top_k)
+  u32("expert_feed_forward_length", c.d_ff_expert)
+  if a == "qwen2moe":
+    u32("expert_shared_feed_forward_length", c.d_ff_shared)
+  if a == "glm4moe":
+    u32("leading_dense_block_count", c.n_dense_lead)
+    u32("expert_shared_count", c.n_shared_experts)
+    w.add_float32(f"{a}.expert_weights_scale", c.routed_scale)
+    w.add_bool(f"{a}.expert_weights_norm", c.norm_topk)
+    u32("expert_gating_func", 2)
+    u32("nextn_predict_layers", c.n_nextn)
+
+
+def _random_float(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+  """Random values of a scale that keeps a random model's activations and logits well spread."""
+  if len(shape) == 1:
+    if name.endswith(".bias"):
+      return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if "shexp" in name:  # qwen2moe shared-expert gate vector
+      return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+    return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)   # norm weights
+  fan_in = shape[-1]
+  gain = 1.0
+  if name in ("output.weight",) or name.endswith("shared_head_head.weight"):
+    gain = 4.0       # spread the logits so argmax is decisive
+  elif "ffn_gate_inp" in name:
+    gain = 3.0       # decisive routing
+  elif name == "token_embd.weight" or name.endswith("embed_tokens.weight"):
+    return rng.standard_normal(shape).astype(np.float32)
+  return (gain * rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def write_gguf(path: str | os.PathLike, cfg: ModelConfig, *, types: TypePolicy | None = None, seed: int = 0,
+               vocab=None, name: str | None = None, progress: bool = False, block_scale: float = 1e-3) -> str:
+  """Write a random model of shape `cfg` to `path`; returns the path.
+
+  types: tensor name, numpy shape -> GGUF type name (default: `float_policy("F16")`).
+  vocab: a `configs.vocab.VocabSpec` (default: the shipped vocab padded to cfg.vocab_size).
+  """
+  import gguf
+
+  from configs.vocab import add_to_gguf, load_vocab
+  from ops import quant
+
+  types = types or float_policy("F16")
+  rng = np.random.default_rng(seed)
+  vocab = vocab or load_vocab(1024)
+  vocab = pad_vocab(vocab, cfg.vocab_size)
+  fake = _FakeFile(cfg)
+  entries = sorted(tensor_map(cfg, fake).values(), key=lambda e: _order(e[0]))
+  w = gguf.GGUFWriter(str(path), cfg.arch)
+  _write_metadata(w, cfg, name or f"random-{cfg.arch}")
+  add_to_gguf(w, vocab)
+  plan = []
+  for tname, shape in entries:
+    t = types(tname, shape)
+    qt = gguf.GGMLQuantizationType[t]
+    if t in ("F32", "F16"):
+      dt = np.float32 if t == "F32" else np.float16
+      w.add_tensor_info(tname, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize)
+    else:
+      nb = quant.row_bytes(t, shape[-1])
+      byte_shape = tuple(shape[:-1]) + (nb,)
+      w.add_tensor_info(tname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qt)
+    plan.append((tname, shape, t))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_ti_data_to_file()
+  it = plan
+  if progress:
+    from tqdm import tqdm
+    it = tqdm(plan, desc=f"writing {os.path.basename(str(path))}", unit="tensor")
+  for tname, shape, t in it:
+    if t in ("F32", "F16"):
+      arr = _random_float(tname, shape, rng).astype(np.float32 if t == "F32" else np.float16)
+    elif t == "BF16":
+      f = _random_float(tname, shape, rng)
+      arr = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(tuple(shape[:-1]) + (2 * shape[-1],))
+    else:
+      arr = quant.random_blocks(t, shape, rng, scale=block_scale)
+    w.write_tensor_data(arr)
+  w.close()
+  return str(path)
+
+
+def pad_vocab(vocab, n: int):
+  """The vocab padded with unused control tokens `<|pad_i|>` up to n entries (full-size shapes)."""
+  if len(vocab.tokens) == n:
+    return vocab
+  if len(vocab.tokens) > n:
+    raise ValueError(f"vocab has {len(vocab.tokens)} tokens, more than the model's vocab_size {n}")
+  import dataclasses
+  extra = n - len(vocab.tokens)
+  return dataclasses.replace(vocab, tokens=tuple(vocab.tokens) + tuple(f"<|pad_{i}|>" for i in range(extra)),
+                             token_types=tuple(vocab.token_types) + (3,) * extra)
+
+
+def _order(name: str):
+  """GGUF order: token_embd, blocks by index, then output_norm / output."""
+  if name.startswith("blk."):
+    return (1, int(name.split(".")[1]), name)
+  return (0 if name.startswith("token_embd") else 2, 0, name)
+
+
+class _FakeFile:
+  """Answers `has` for optional NextN tensors: the writer writes the head norm but not an own head/embedding."""
+
+  def __init__(self, cfg):
+    self.cfg = cfg
+
+  def has(self, name: str) -> bool:
+    return False

@@ -1,0 +1,48 @@
+"""Small dense ops with their exact semantics (llama.cpp's): RMSNorm, NEOX RoPE (partial), linear, SwiGLU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ops.qtensor import QTensor, as_dense
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """x / sqrt(mean(x^2) + eps) * w over the last axis, in float32."""
+  x = x.astype(jnp.float32)
+  ms = jnp.mean(x * x, axis=-1, keepdims=True)
+  return x * jax.lax.rsqrt(ms + eps) * w.astype(jnp.float32)
+
+
+def rope_neox(x_THD: jax.Array, pos_T: jax.Array, rope_dim: int, theta: float) -> jax.Array:
+  """NEOX rotary embedding on the first `rope_dim` dims of each head.
+
+  Pairs (i, i + rope_dim/2) rotate by pos * theta^(-2i/rope_dim); dims past rope_dim pass through
+  (partial rotary, as glm4moe). x: [T, H, D], pos: [T] int32 absolute positions.
+  """
+  half = rope_dim // 2
+  inv_freq = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / rope_dim)
+  ang = pos_T.astype(jnp.float32)[:, None] * inv_freq[None, :]          # [T, half]
+  cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]         # [T, 1, half]
+  x = x_THD.astype(jnp.float32)
+  x1, x2, rest = x[..., :half], x[..., half:rope_dim], x[..., rope_dim:]
+  out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+  if rest.shape[-1]:
+    out.append(rest)
+  return jnp.concatenate(out, axis=-1)
+
+
+def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
+  """y = x @ w.T (+ b); w is [out, in] as GGUF stores it (dense or packed QTensor)."""
+  if isinstance(w, QTensor):
+    from ops import qmatmul  # the dispatcher: Pallas kernel on GPU, dequantize-then-dot reference elsewhere
+    y = qmatmul.qmatmul(x, w)
+  else:
+    y = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), as_dense(w))
+  if b is not None:
+    y = y + b.astype(jnp.float32)
+  return y
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  return jax.nn.silu(gate) * up
