@@ -2,7 +2,8 @@
 
 Trained with `tokenizers`' BpeTrainer on text that ships with Python, `pydoc_data.topics.topics` (the
 standard library's documentation topics, joined in sorted key order), pre-tokenized with the qwen2
-regex (so merges never cross its splits) and the ByteLevel alphabet (all 256 byte symbols are tokens).
+regex (so merges never cross its splits) and the ByteLevel alphabet (all 256 byte symbols are tokens);
+tokens are capped by BpeTrainer(max_token_length=16) (no long table-border tokens from the docs).
 Layout, like Qwen's: trained tokens first (ids 0..N-4, the 256 byte symbols first), then the three
 control tokens `<|endoftext|>` (EOS, also BOS/PAD), `<|im_start|>`, `<|im_end|>`. `add_bos` is False.
 
@@ -65,23 +66,27 @@ def training_text() -> str:
   return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def train_vocab(n: int, text: str | None = None) -> VocabSpec:
-  """Trains an `n`-token vocab (`n` includes the 256 bytes and the 3 control tokens)."""
+def train_vocab(n: int, text: str | None = None, pre: str = PRE) -> VocabSpec:
+  """Trains an `n`-token vocab (`n` includes the 256 bytes and the 3 control tokens).
+
+  `pre` (a `tokenizer.ggml.pre` name, see model/tokenizer.py) picks the split regexes the merges
+  respect; the shipped vocabs use qwen2, tests train others to exercise each pre-tokenizer.
+  """
   from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-  from model.tokenizer import REGEX_QWEN2
+  from model.tokenizer import pre_regexes
 
   n_special = len(SPECIAL_TOKENS)
   if n < 256 + n_special + 1:
     raise ValueError(f"vocab size {n} < 256 bytes + {n_special} special tokens + 1")
   text = training_text() if text is None else text
   tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(REGEX_QWEN2), behavior="isolated"),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-  ])
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre_regexes(pre)]
+      + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   trainer = trainers.BpeTrainer(
-      vocab_size=n, min_frequency=2, show_progress=False, special_tokens=list(SPECIAL_TOKENS),
+      vocab_size=n, min_frequency=2, max_token_length=16, show_progress=False,
+      special_tokens=list(SPECIAL_TOKENS),
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tok.train_from_iterator([text], trainer=trainer)
   state = json.loads(tok.to_str())["model"]
@@ -95,7 +100,7 @@ def train_vocab(n: int, text: str | None = None) -> VocabSpec:
   types = (TT_NORMAL,) * len(normal) + (TT_CONTROL,) * n_special
   eos = tokens.index("<|endoftext|>")
   return VocabSpec(tokens=tokens, token_types=types, merges=tuple(merges), bos_id=eos, eos_id=eos,
-                   pre=PRE, add_bos=False)
+                   pre=pre, add_bos=False)
 
 
 def vocab_path(n: int) -> pathlib.Path:

@@ -106,6 +106,14 @@ def _unicode_to_byte() -> dict[str, int]:
   return {c: b for b, c in byte_to_unicode().items()}
 
 
+def pre_regexes(pre: str) -> tuple[str, ...]:
+  """The split regexes of a `tokenizer.ggml.pre` name (applied in order, each splitting the pieces)."""
+  name = _PRE_ALIASES.get(pre, pre)
+  if name not in _PRE:
+    raise _fail("tokenizer.ggml.pre", pre, SUPPORTED_PRE)
+  return _PRE[name].regexes
+
+
 def _fail(key: str, value: Any, supported: Sequence[str]) -> ValueError:
   return ValueError(f"unsupported {key} = {value!r}; supported: {', '.join(supported)}")
 

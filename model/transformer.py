@@ -32,6 +32,14 @@ _ones = nn.initializers.ones
 _zeros = nn.initializers.zeros
 
 
+def _param(m: nn.Module, name: str, init, shape):
+  """m.param, but a loaded param (possibly a packed QTensor, whose leaf is its byte array) is taken as is:
+  the loader already checked its logical shape against the GGUF file."""
+  if m.has_variable("params", name):
+    return m.get_variable("params", name)
+  return m.param(name, init, shape)
+
+
 def _causal_attention(q_THD, k_THD, v_THD, scale):
   """Plain causal attention over T tokens (training / no cache)."""
   T, Hq, Dh = q_THD.shape
@@ -47,27 +55,28 @@ def _causal_attention(q_THD, k_THD, v_THD, scale):
 class Attention(nn.Module):
   cfg: ModelConfig
   ring_layer: int          # this block's layer index in the ring it attends over
+  rope_offset: int = 0     # RoPE position = ring position + offset (the NextN ring's entry j sits at position j+1)
 
   @nn.compact
   def __call__(self, x_TD, pos_T, ring: KVRing | None, attn_block: int):
     c = self.cfg
     D, Hq, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-    wq = self.param("wq", _init, (Hq * Dh, D))
-    wk = self.param("wk", _init, (Hkv * Dh, D))
-    wv = self.param("wv", _init, (Hkv * Dh, D))
-    wo = self.param("wo", _init, (D, Hq * Dh))
+    wq = _param(self, "wq", _init, (Hq * Dh, D))
+    wk = _param(self, "wk", _init, (Hkv * Dh, D))
+    wv = _param(self, "wv", _init, (Hkv * Dh, D))
+    wo = _param(self, "wo", _init, (D, Hq * Dh))
     bq = bk = bv = None
     if c.qkv_bias:
-      bq, bk, bv = (self.param(n, _zeros, (s,)) for n, s in (("bq", Hq * Dh), ("bk", Hkv * Dh), ("bv", Hkv * Dh)))
+      bq, bk, bv = (_param(self, n, _zeros, (s,)) for n, s in (("bq", Hq * Dh), ("bk", Hkv * Dh), ("bv", Hkv * Dh)))
     T = x_TD.shape[0]
     q = linear(x_TD, wq, bq).reshape(T, Hq, Dh)
     k = linear(x_TD, wk, bk).reshape(T, Hkv, Dh)
     v = linear(x_TD, wv, bv).reshape(T, Hkv, Dh)
     if c.qk_norm:
-      q = rms_norm(q, self.param("q_norm", _ones, (Dh,)), c.rms_eps)
-      k = rms_norm(k, self.param("k_norm", _ones, (Dh,)), c.rms_eps)
-    q = rope_neox(q, pos_T, c.rope_dim, c.rope_theta)
-    k = rope_neox(k, pos_T, c.rope_dim, c.rope_theta)
+      q = rms_norm(q, _param(self, "q_norm", _ones, (Dh,)), c.rms_eps)
+      k = rms_norm(k, _param(self, "k_norm", _ones, (Dh,)), c.rms_eps)
+    q = rope_neox(q, pos_T + self.rope_offset, c.rope_dim, c.rope_theta)
+    k = rope_neox(k, pos_T + self.rope_offset, c.rope_dim, c.rope_theta)
     scale = 1.0 / float(Dh) ** 0.5
     if ring is None:
       o = _causal_attention(q, k, v.astype(jnp.float32), scale)
@@ -88,9 +97,9 @@ class DenseMLP(nn.Module):
   @nn.compact
   def __call__(self, x_TD):
     D, F = self.cfg.d_model, self.cfg.d_ff
-    gate = self.param("gate", _init, (F, D))
-    up = self.param("up", _init, (F, D))
-    down = self.param("down", _init, (D, F))
+    gate = _param(self, "gate", _init, (F, D))
+    up = _param(self, "up", _init, (F, D))
+    down = _param(self, "down", _init, (D, F))
     return linear(swiglu(linear(x_TD, gate), linear(x_TD, up)), down)
 
 
@@ -102,17 +111,17 @@ class MoE(nn.Module):
   def __call__(self, x_TD):
     c = self.cfg
     D, E, F = c.d_model, c.n_experts, c.d_ff_expert
-    router = self.param("router", _init, (E, D))
-    gate = self.param("gate_exps", _init, (E, F, D))
-    up = self.param("up_exps", _init, (E, F, D))
-    down = self.param("down_exps", _init, (E, D, F))
+    router = _param(self, "router", _init, (E, D))
+    gate = _param(self, "gate_exps", _init, (E, F, D))
+    up = _param(self, "up_exps", _init, (E, F, D))
+    down = _param(self, "down_exps", _init, (E, D, F))
     logits = linear(x_TD, router)                                    # [T, E] float32
     if c.routing == "softmax":
       probs = jax.nn.softmax(logits, axis=-1)
       select = probs
     else:
       probs = jax.nn.sigmoid(logits)
-      select = probs + self.param("router_bias", _zeros, (E,)).astype(jnp.float32)
+      select = probs + _param(self, "router_bias", _zeros, (E,)).astype(jnp.float32)
     _, ids = jax.lax.top_k(select, c.top_k)                           # [T, K] int32
     w = jnp.take_along_axis(probs, ids, axis=-1)
     if c.norm_topk:
@@ -122,12 +131,12 @@ class MoE(nn.Module):
     y = moe_ops.moe(x_TD, ids.astype(jnp.int32), w, gate, up, down)
     if c.n_shared_experts or c.shared_expert_gate:
       Fs = c.d_ff_shared
-      gs = self.param("gate_shexp", _init, (Fs, D))
-      us = self.param("up_shexp", _init, (Fs, D))
-      ds = self.param("down_shexp", _init, (D, Fs))
+      gs = _param(self, "gate_shexp", _init, (Fs, D))
+      us = _param(self, "up_shexp", _init, (Fs, D))
+      ds = _param(self, "down_shexp", _init, (D, Fs))
       ys = linear(swiglu(linear(x_TD, gs), linear(x_TD, us)), ds)
       if c.shared_expert_gate:
-        g = self.param("shexp_gate", _init, (D,))          # qwen2moe: one gate logit per token
+        g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe: one gate logit per token
         ys = ys * jax.nn.sigmoid(x_TD.astype(jnp.float32) @ g.astype(jnp.float32))[:, None]
       y = y + ys
     return y
@@ -138,14 +147,15 @@ class Block(nn.Module):
   cfg: ModelConfig
   index: int               # block index in the file (decides dense vs MoE)
   ring_layer: int
+  rope_offset: int = 0
 
   @nn.compact
   def __call__(self, x_TD, pos_T, ring, attn_block):
     c = self.cfg
-    h = rms_norm(x_TD, self.param("attn_norm", _ones, (c.d_model,)), c.rms_eps)
-    a, ring = Attention(c, self.ring_layer, name="attn")(h, pos_T, ring, attn_block)
+    h = rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps)
+    a, ring = Attention(c, self.ring_layer, self.rope_offset, name="attn")(h, pos_T, ring, attn_block)
     x = x_TD + a
-    h = rms_norm(x, self.param("ffn_norm", _ones, (c.d_model,)), c.rms_eps)
+    h = rms_norm(x, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps)
     ffn = MoE(c, name="ffn") if c.is_moe_layer(self.index) else DenseMLP(c, name="ffn")
     return x + ffn(h), ring
 
@@ -164,22 +174,24 @@ class Decoder(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_T, pos_T, ring: KVRing | None = None, attn_block: int = 256):
+  def __call__(self, tokens_T, pos_T, ring: KVRing | None = None, attn_block: int = 256, last_only: bool = False):
     c = self.cfg
-    embed = self.param("token_embd", _init, (c.vocab_size, c.d_model))
+    embed = _param(self, "token_embd", _init, (c.vocab_size, c.d_model))
     x = _embed(embed, tokens_T)
     for i in range(c.n_layers):
       x, ring = Block(c, i, i, name=f"blk_{i}")(x, pos_T, ring, attn_block)
-    hidden = rms_norm(x, self.param("output_norm", _ones, (c.d_model,)), c.rms_eps)
-    head = embed if c.tied_embeddings else self.param("output", _init, (c.vocab_size, c.d_model))
-    return linear(hidden, head), hidden, ring
+    hidden = rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps)
+    head = embed if c.tied_embeddings else _param(self, "output", _init, (c.vocab_size, c.d_model))
+    logits = linear(hidden[-1:] if last_only else hidden, head)
+    return logits, hidden, ring
 
 
 class MTPBlock(nn.Module):
   """NextN block j: predicts token t+2 from the target's hidden state at t and the embedding of token t+1.
 
   x = eh_proj(concat(enorm(emb(tok)), hnorm(h)))   (embedding first, as llama.cpp's glm4moe MTP graph),
-  then a full decoder block over the drafter's own ring at absolute positions pos_T, then
+  then a full decoder block over the drafter's own ring (entry j in slot j mod W, RoPE at absolute position
+  j + 1, since entry j predicts from position j), then
   shared_head_norm and the head (its own shared_head_head, else the trunk's output).
   `main_params` supplies token_embd / output when the block has none of its own.
   """
@@ -190,12 +202,12 @@ class MTPBlock(nn.Module):
   def __call__(self, hidden_TD, tokens_T, pos_T, ring: KVRing | None, embed, head, attn_block: int = 256):
     c = self.cfg
     D = c.d_model
-    emb_tbl = self.param("embed_tokens", _init, (c.vocab_size, D)) if self.has_variable("params", "embed_tokens") else embed
-    e = rms_norm(_embed(emb_tbl, tokens_T), self.param("enorm", _ones, (D,)), c.rms_eps)
-    hh = rms_norm(hidden_TD, self.param("hnorm", _ones, (D,)), c.rms_eps)
-    x = linear(jnp.concatenate([e, hh], axis=-1), self.param("eh_proj", _init, (D, 2 * D)))
-    x, ring = Block(c, c.n_layers + self.j, self.j, name="blk")(x, pos_T, ring, attn_block)
-    h = rms_norm(x, self.param("shared_head_norm", _ones, (D,)), c.rms_eps)
+    emb_tbl = self.get_variable("params", "embed_tokens") if self.has_variable("params", "embed_tokens") else embed
+    e = rms_norm(_embed(emb_tbl, tokens_T), _param(self, "enorm", _ones, (D,)), c.rms_eps)
+    hh = rms_norm(hidden_TD, _param(self, "hnorm", _ones, (D,)), c.rms_eps)
+    x = linear(jnp.concatenate([e, hh], axis=-1), _param(self, "eh_proj", _init, (D, 2 * D)))
+    x, ring = Block(c, c.n_layers + self.j, self.j, 1, name="blk")(x, pos_T, ring, attn_block)
+    h = rms_norm(x, _param(self, "shared_head_norm", _ones, (D,)), c.rms_eps)
     if self.has_variable("params", "shared_head_head"):
-      head = self.param("shared_head_head", _init, (c.vocab_size, D))
+      head = self.get_variable("params", "shared_head_head")
     return linear(h, head), h, ring

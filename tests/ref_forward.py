@@ -147,7 +147,7 @@ class RefModel:
       raise NotImplementedError(f"RefModel: rope scaling {scaling!r} (only none/linear)")
     self.rope_freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
     sections = self._key("rope.dimension_sections", None)
-    if sections is not None and any(int(s) for s in sections):
+    if sections is not None and len(sections) >= 2 and int(sections[0]) > 0 and int(sections[1]) > 0:   # use_mrope()
       raise NotImplementedError("RefModel: M-RoPE (rope.dimension_sections) not supported")
     self.eps = float(self._key("attention.layer_norm_rms_epsilon"))
     self.n_ff = [int(x) for x in self._per_layer("feed_forward_length", 0)]

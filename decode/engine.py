@@ -1,0 +1,144 @@
+"""The plain decode loop: prefill, then a jitted `lax.while_loop` of `decode_step` over a static-size output
+buffer with a dynamic bound (stops at max_new_tokens or EOS), plus an eager loop for debugging.
+
+>>> from model.loader import load_model, default_model_path
+>>> m = load_model(default_model_path())
+>>> r = generate(m, m.tokenizer.encode("def"), max_new_tokens=4)
+>>> len(r.ids)
+4
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from decode.sampling import sample
+from model import api
+from model.config import ModelConfig
+
+
+class RequestError(ValueError):
+  """A request the engine refuses (one line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenConfig:
+  max_new_tokens: int = 32
+  temperature: float = 0.0
+  top_p: float = 1.0
+  seed: int = 0
+  kv: str = "bf16"
+  kv_resident: int | None = None      # main ring capacity R (None: smallest power of two >= the request, from 1024)
+  max_context: int | None = None      # longest prompt + generation accepted (None: the ring's capacity)
+  stop_at_eos: bool = True
+
+
+@dataclasses.dataclass
+class GenResult:
+  prompt_ids: list[int]
+  ids: list[int]
+  text: str
+  stats: dict
+
+
+@struct.dataclass
+class LoopState:
+  model: api.ModelState
+  out: jax.Array        # int32 [N] static-size output buffer
+  n: jax.Array          # tokens written to out
+  token: jax.Array      # last token (the next step's input)
+  key: jax.Array
+  done: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_p"), donate_argnames=("ls",))
+def decode_loop(params, ls: LoopState, n_max, eos_id, *, cfg: ModelConfig, temperature: float, top_p: float):
+  """Generate until n == n_max or EOS: each iteration stores `token` and computes the next one."""
+
+  def cond(s):
+    return (s.n < n_max) & ~s.done
+
+  def body(s):
+    out = s.out.at[s.n].set(s.token)
+    done = s.done | (s.token == eos_id)
+    logits, _, model = api.forward(params, s.token[None], s.model, cfg=cfg)
+    key, sub = jax.random.split(s.key)
+    nxt = sample(logits[0], sub, temperature, top_p)
+    return LoopState(model, out, s.n + 1, nxt, key, done)
+
+  return jax.lax.while_loop(cond, body, ls)
+
+
+def ring_capacity(need: int, requested: int | None) -> int:
+  if requested:
+    return int(requested)
+  cap = 1024
+  while cap < need:
+    cap *= 2
+  return cap
+
+
+def _buffer_size(n: int) -> int:
+  b = 16
+  while b < n:
+    b *= 2
+  return b
+
+
+def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = False, **kw) -> GenResult:
+  """Greedy or sampled generation from `prompt_ids` (a LoadedModel from model.loader)."""
+  gen = dataclasses.replace(gen or GenConfig(), **kw)
+  cfg, params, tok = model.cfg, model.params, model.tokenizer
+  prompt = list(int(i) for i in prompt_ids)
+  if not prompt:
+    raise RequestError("prompt: empty, expected at least one token")
+  need = len(prompt) + gen.max_new_tokens
+  cap = ring_capacity(need, gen.kv_resident)
+  max_ctx = gen.max_context or cap
+  if need > max_ctx:
+    raise RequestError(f"prompt: {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} = {need} exceeds "
+                       f"max_context {max_ctx}")
+  if max_ctx > cap:
+    raise RequestError(f"max_context {max_ctx} exceeds kv_resident {cap}: the host tier is not built yet")
+  state = api.init_state(cfg, cap, gen.kv)
+  t0 = time.perf_counter()
+  logits, _, state = api.prefill(params, jnp.asarray(prompt, jnp.int32), state, cfg=cfg, last_only=True)
+  key = jax.random.PRNGKey(gen.seed)
+  key, sub = jax.random.split(key)
+  first = sample(logits[-1], sub, gen.temperature, gen.top_p)
+  first.block_until_ready()
+  ttft = time.perf_counter() - t0
+  eos = tok.eos_id if (gen.stop_at_eos and tok.eos_id is not None) else -1
+  n = gen.max_new_tokens
+  if eager:
+    ids, t1 = [], time.perf_counter()
+    token = first
+    for _ in range(n):
+      ids.append(int(token))
+      if int(token) == eos:
+        break
+      lg, _, state = api.decode_step(params, token, state, cfg=cfg)
+      key, sub = jax.random.split(key)
+      token = sample(lg, sub, gen.temperature, gen.top_p)
+    dt = time.perf_counter() - t1
+  else:
+    ls = LoopState(state, jnp.zeros(_buffer_size(n), jnp.int32), jnp.zeros((), jnp.int32), first, key,
+                   jnp.zeros((), bool))
+    kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p)
+    ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # compile (zero iterations)
+    jax.block_until_ready(ls)
+    t1 = time.perf_counter()
+    ls = decode_loop(params, ls, jnp.int32(n), jnp.int32(eos), **kwargs)
+    count = int(ls.n)
+    dt = time.perf_counter() - t1
+    ids = [int(i) for i in np.asarray(ls.out)[:count]]
+  stats = {"prompt_tokens": len(prompt), "generated_tokens": len(ids), "ttft_s": ttft,
+           "decode_s": dt, "decode_tok_s": len(ids) / dt if dt > 0 else 0.0,
+           "kv": gen.kv, "kv_resident": cap, "eager": eager}
+  return GenResult(prompt, ids, tok.decode(ids), stats)

@@ -1,0 +1,96 @@
+"""Pure, jitted entry points of the model: `prefill`, `decode_step`, `mtp_step`.
+
+Each takes (params, inputs, state) and returns (logits, hidden, state); `cfg` and block sizes are static
+keyword arguments, the state is donated, the weights never are. `ModelState` holds the main KV ring and the
+NextN drafter's own ring; the position of the next token is `state.ring.length`.
+
+>>> from configs.presets import TINY_QWEN3MOE as cfg
+>>> from model.transformer import Decoder
+>>> import jax, jax.numpy as jnp
+>>> params = Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))["params"]
+>>> st = init_state(cfg, capacity=256)
+>>> logits, hidden, st = prefill(params, jnp.array([1, 2, 3]), st, cfg=cfg)
+>>> int(st.ring.length), logits.shape
+(3, (3, 1024))
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from decode.kv_ring import KVRing
+from model.config import ModelConfig
+from model.transformer import Decoder, MTPBlock
+
+ATTN_BLOCK = 256
+
+
+@struct.dataclass
+class ModelState:
+  ring: KVRing                    # main K/V ring (capacity R static)
+  mtp_ring: KVRing | None = None  # NextN drafter ring (capacity W static): entry j is the draft input at position j
+
+
+def init_state(cfg: ModelConfig, capacity: int, kv: str = "bf16", mtp_window: int | None = None,
+               attn_block: int = ATTN_BLOCK) -> ModelState:
+  """Empty state: a main ring of `capacity` slots and, for models with NextN blocks, a drafter ring."""
+  blk = min(attn_block, capacity)
+  ring = KVRing.create(cfg.n_layers, capacity, cfg.n_kv_heads, cfg.head_dim, kv, block=blk)
+  mtp = None
+  if cfg.n_nextn and mtp_window:
+    mtp = KVRing.create(cfg.n_nextn, mtp_window, cfg.n_kv_heads, cfg.head_dim, kv, block=min(attn_block, mtp_window))
+  return ModelState(ring, mtp)
+
+
+def trunk_params(params: dict) -> dict:
+  return {k: v for k, v in params.items() if not k.startswith("mtp_")}
+
+
+def _block(ring: KVRing, attn_block: int) -> int:
+  return min(attn_block, ring.capacity)
+
+
+def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only: bool = False,
+            attn_block: int = ATTN_BLOCK):
+  """Run the trunk on T new tokens at positions ring.length + [0, T): (logits, hidden, state)."""
+  ring = state.ring
+  pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
+  logits, hidden, ring = Decoder(cfg).apply({"params": trunk_params(params)}, tokens_T.astype(jnp.int32), pos, ring,
+                                            _block(ring, attn_block), last_only)
+  return logits, hidden, state.replace(ring=ring.advance(tokens_T.shape[0]))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "last_only", "attn_block"), donate_argnames=("state",))
+def prefill(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only: bool = False,
+            attn_block: int = ATTN_BLOCK):
+  """The prompt (or any T tokens) through the trunk; logits for every position unless last_only."""
+  return forward(params, tokens_T, state, cfg=cfg, last_only=last_only, attn_block=attn_block)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_block"), donate_argnames=("state",))
+def decode_step(params, token, state: ModelState, *, cfg: ModelConfig, attn_block: int = ATTN_BLOCK):
+  """One token: (logits [V], hidden [D], state)."""
+  logits, hidden, state = forward(params, jnp.reshape(token, (1,)), state, cfg=cfg, attn_block=attn_block)
+  return logits[0], hidden[0], state
+
+
+def mtp_forward(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConfig, j: int = 0,
+                attn_block: int = ATTN_BLOCK):
+  """NextN block j over T entries: entry i pairs the target hidden state at position p = mtp_ring.length + i
+  with the token at p + 1, runs at RoPE position p + 1 and predicts the token at p + 2.
+  Returns (logits [T, V], h [T, D] after shared_head_norm, ring advanced by T)."""
+  pos = mtp_ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
+  head = params.get("output", params["token_embd"])
+  logits, h, ring = MTPBlock(cfg, j).apply({"params": params[f"mtp_{j}"]}, hidden_TD, tokens_T.astype(jnp.int32), pos,
+                                           mtp_ring, params["token_embd"], head, _block(mtp_ring, attn_block))
+  return logits, h, ring.advance(tokens_T.shape[0])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "j", "attn_block"), donate_argnames=("mtp_ring",))
+def mtp_step(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConfig, j: int = 0,
+             attn_block: int = ATTN_BLOCK):
+  """Jitted `mtp_forward`."""
+  return mtp_forward(params, hidden_TD, tokens_T, mtp_ring, cfg=cfg, j=j, attn_block=attn_block)

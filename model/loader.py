@@ -1,0 +1,65 @@
+"""`load_model`: a GGUF file (or its orbax cache entry) -> `LoadedModel` (config, params, tokenizer)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from absl import logging
+
+from model import checkpoint
+from model.config import ModelConfig
+from model.gguf_io import load_gguf
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "params")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  cfg: ModelConfig
+  params: dict
+  tokenizer: "object"
+  path: str
+  from_cache: bool = False
+  load_s: float = 0.0
+
+
+def _tokenizer_md(md: dict) -> dict:
+  return {k: v for k, v in md.items() if k.startswith("tokenizer.")}
+
+
+def load_model(path: str, cache_dir: str | None = None) -> LoadedModel:
+  """Load `path`; with `cache_dir`, read the orbax entry if one exists, else parse GGUF and write the entry.
+
+  >>> m = load_model(default_model_path())            # doctest: +SKIP
+  >>> m.cfg.arch, m.tokenizer.encode("hello")[:3]     # doctest: +SKIP
+  """
+  from model.tokenizer import Tokenizer
+  t0 = time.perf_counter()
+  if cache_dir and os.path.isfile(path):
+    entry = checkpoint.entry_dir(path, cache_dir)
+    got = checkpoint.restore(entry)
+    if got is not None:
+      cfg, params, tok_md = got
+      logging.info("loaded %s from cache %s", path, entry)
+      return LoadedModel(cfg, params, Tokenizer.from_metadata(tok_md), path, True, time.perf_counter() - t0)
+  cfg, params, tok, f = load_gguf(path)
+  if cache_dir:
+    checkpoint.save(checkpoint.entry_dir(path, cache_dir), cfg, params, _tokenizer_md(f.md))
+  return LoadedModel(cfg, params, tok, path, False, time.perf_counter() - t0)
+
+
+def default_model_path() -> str:
+  """The embedded default model: configs/data/default.gguf when shipped, else a tiny random glm4moe+NextN
+  file our writer makes once (under ~/.cache/moejax)."""
+  here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "data", "default.gguf")
+  if os.path.isfile(here):
+    return here
+  out = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "tiny-glm4moe-f16.gguf")
+  if not os.path.isfile(out):
+    from configs.presets import TINY_GLM4MOE
+    from model.writer import write_gguf
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    write_gguf(out + ".tmp", TINY_GLM4MOE, seed=0, name="tiny-glm4moe (random weights)")
+    os.replace(out + ".tmp", out)
+  return out

@@ -1,0 +1,50 @@
+"""Test model files: tiny random GGUFs written by our writer, and llama.cpp-quantized mixes of them.
+
+Files are made once per session into a shared temp folder (and reused across sessions on the same machine
+through MOEJAX_TEST_MODELS, when set).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+
+from configs.presets import TINY_GLM4MOE, TINY_QWEN2MOE, TINY_QWEN3MOE
+from model.writer import float_policy, write_gguf
+
+CFGS = {"qwen3moe": TINY_QWEN3MOE, "glm4moe": TINY_GLM4MOE, "qwen2moe": TINY_QWEN2MOE}
+# llama.cpp's quantizer mixes (what `llama-quantize` writes for these file types).
+MIXES = ("Q8_0", "Q4_K_M", "Q6_K", "IQ3_S")
+
+_ROOT = os.environ.get("MOEJAX_TEST_MODELS") or os.path.join(tempfile.gettempdir(), f"moejax-test-models-{os.getuid()}")
+
+
+def model_path(arch: str, kind: str) -> str:
+  """Path of the tiny `arch` file of `kind` ("F32", "F16" or a mix in MIXES); written on first use."""
+  os.makedirs(_ROOT, exist_ok=True)
+  path = os.path.join(_ROOT, f"tiny-{arch}-{kind}.gguf")
+  if os.path.isfile(path):
+    return path
+  tmp = path + f".{os.getpid()}.tmp"
+  if kind in ("F32", "F16"):
+    write_gguf(tmp, CFGS[arch], types=float_policy(kind), seed=1234, name=f"tiny-{arch}")
+  else:
+    quantize(model_path(arch, "F32"), tmp, kind)
+  os.replace(tmp, path)
+  return path
+
+
+def quantize(src: str, dst: str, mix: str) -> None:
+  """llama.cpp's own quantizer (`llama_model_quantize`), no importance matrix."""
+  import llama_cpp
+  p = llama_cpp.llama_model_quantize_default_params()
+  p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{mix}")
+  p.nthread = 2
+  rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p))
+  if rc != 0:
+    raise RuntimeError(f"llama_model_quantize({src} -> {mix}) returned {rc}")
+
+
+def tensor_types(path: str) -> dict[str, str]:
+  import gguf
+  return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
