@@ -20,6 +20,83 @@ class GGUFError(ValueError):
   """A GGUF file we cannot use; the message is one line."""
 
 
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}   # GGUF value type -> bytes
+_STRING, _ARRAY = 8, 9
+
+
+def check_layout(path: str) -> None:
+  """Walk the header (without gguf-py) and check that every tensor's bytes lie inside the file.
+
+  gguf-py fails on short files with whatever numpy error the first bad view raises; this names the problem.
+  """
+  import struct
+
+  import gguf
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    buf = f.read(min(size, 64 << 20))
+  pos = 0
+
+  def take(n: int) -> bytes:
+    nonlocal pos
+    if pos + n > len(buf):
+      what = "header" if len(buf) == size else "header (over 64 MiB)"
+      raise GGUFError(f"{path}: truncated GGUF ({size} bytes): the {what} ends at byte {len(buf)}, needed {pos + n}")
+    b = buf[pos:pos + n]
+    pos += n
+    return b
+
+  u32 = lambda: struct.unpack("<I", take(4))[0]  # noqa: E731
+  u64 = lambda: struct.unpack("<Q", take(8))[0]  # noqa: E731
+
+  def skip_value(vt: int) -> None:
+    if vt == _STRING:
+      take(u64())
+    elif vt == _ARRAY:
+      sub, n = u32(), u64()
+      if sub in _SCALAR:
+        take(_SCALAR[sub] * n)
+      else:
+        for _ in range(n):
+          skip_value(sub)
+    elif vt in _SCALAR:
+      take(_SCALAR[vt])
+    else:
+      raise GGUFError(f"{path}: corrupt GGUF: unknown metadata value type {vt}")
+
+  take(4)
+  version = u32()
+  if version not in (2, 3):
+    raise GGUFError(f"{path}: GGUF version {version}, expected 2 or 3")
+  n_tensors, n_kv = u64(), u64()
+  alignment = 32
+  for _ in range(n_kv):
+    key = take(u64()).decode("utf-8", "replace")
+    vt = u32()
+    if key == "general.alignment" and vt == 4:
+      alignment = u32()
+    else:
+      skip_value(vt)
+  infos = []
+  for _ in range(n_tensors):
+    name = take(u64()).decode("utf-8", "replace")
+    dims = [u64() for _ in range(u32())]
+    tid, off = u32(), u64()
+    try:
+      qt = gguf.GGMLQuantizationType(tid)
+    except ValueError:
+      raise GGUFError(f"{path}: tensor '{name}' has unknown type id {tid}; supported: {', '.join(SUPPORTED_TYPES)}") from None
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    n = 1
+    for d in dims:
+      n *= d
+    infos.append((name, off, n // bs * ts))
+  start = (pos + alignment - 1) // alignment * alignment
+  for name, off, nbytes in infos:
+    if start + off + nbytes > size:
+      raise GGUFError(f"{path}: truncated GGUF ({size} bytes): tensor '{name}' needs bytes up to {start + off + nbytes}")
+
+
 class GGUFFile:
   """Metadata (`md`: key -> python value) and tensors (`tensors`: name -> gguf ReaderTensor) of one file."""
 
@@ -33,6 +110,7 @@ class GGUFFile:
     if magic != b"GGUF":
       raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     size = os.path.getsize(self.path)
+    check_layout(self.path)
     try:
       r = gguf.GGUFReader(self.path)
     except Exception as e:  # gguf-py raises ValueError / IndexError / struct errors on short or bad files

@@ -15,10 +15,12 @@ How it is built (mirrors llama.cpp's BPE path, llama-vocab.cpp):
   `tokenizer.ggml.pre` (in order), then `ByteLevel(add_prefix_space=False, use_regex=False)`, then
   `models.BPE(vocab, merges)`; `ignore_merges` (a whole pre-token that is in the vocab is emitted as is)
   for the pre names where llama.cpp sets it (llama3, glm4).
-- BOS: `tokenizer.ggml.bos_token_id` (None when absent; llama.cpp would fall back to id 11 for gpt2
-  vocabs, which is never what a real model wants). `encode` prepends BOS when `add_bos` (argument, else
-  `tokenizer.ggml.add_bos_token`, else the pre-name default: True for llama3, False otherwise).
+- BOS: `tokenizer.ggml.bos_token_id` (None when absent). `encode` prepends BOS when `add_bos`
+  (argument, else `tokenizer.ggml.add_bos_token`, else the pre-name default: True for llama3, False
+  otherwise).
   EOS is never appended (llama.cpp's `add_eos_token` is not used by any gpt2-type model we load).
+- Pre names: qwen2, llama3 (= llama-bpe, llama-v3), glm4, gpt2 (llama.cpp spells it gpt-2; both are
+  accepted), default; a missing `tokenizer.ggml.pre` means default, as in llama.cpp.
 - Decode is the exact inverse of the byte-level mapping: normal tokens map back through the GPT-2
   byte table, user-defined tokens are emitted as their text, control/unknown tokens are emitted as
   their text only with `skip_special=False`; tokens of other types (unused, undefined) decode to "".
@@ -28,13 +30,16 @@ How it is built (mirrors llama.cpp's BPE path, llama-vocab.cpp):
   and `decode(encode(x)) == x` holds here.
 
 Known differences from llama.cpp (none reachable with the shipped vocab or qwen2/glm4/llama3 GGUFs
-converted by convert_hf_to_gguf.py):
+converted by convert_hf_to_gguf.py, on text made of characters assigned in Unicode 15):
+- Unicode tables: the split regexes run in Oniguruma (inside `tokenizers`), whose tables are
+  Unicode 16; llama.cpp's (unicode-data.cpp) are older. Characters new in Unicode 16 (e.g. Egyptian
+  Hieroglyphs Ext-A U+13460..U+143FA, Garay, Kirat Rai, Sunuwar, ...) are letters to us and
+  unassigned to llama.cpp, so words containing them can split, and so tokenize, differently.
 - llama.cpp forces a few names (`<|im_end|>`, `<|endoftext|>`, FIM tokens, ...) to control type
   even when `token_type` says normal; here `token_type` is taken as written.
 - Merges whose parts or result are not in the vocab are dropped (`tokenizers` refuses them);
   llama.cpp keeps their rank and falls back to bytes for the resulting symbol.
-- The `default` pre-tokenizer runs in llama.cpp through std::regex over a "collapsed" codepoint
-  string; for unusual Unicode (e.g. unassigned codepoints) its splits can differ from Oniguruma's.
+- A missing `tokenizer.ggml.bos_token_id` gives `bos_id = None` (llama.cpp: 11 for gpt2 vocabs).
 """
 from __future__ import annotations
 
@@ -61,7 +66,6 @@ REGEXES_DEFAULT = (
     r"\p{N}+",
     r"[0-9][0-9][0-9]",
 )
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +149,6 @@ class Tokenizer:
     self.add_bos = spec.add_bos if add_bos is None else bool(add_bos)
 
     vocab = {t: i for i, t in enumerate(self._tokens)}   # duplicates: the last id wins, as in llama.cpp
-    self._vocab = vocab
     pairs = []
     for m in merges:
       # llama.cpp splits at the first space after the first character
@@ -225,14 +228,12 @@ class Tokenizer:
     if not text:
       return ids
     frags = self._partition(text, parse_special) if self._special else [text]
-    raw = [f for f in frags if isinstance(f, str)]
-    encs = iter(self._hf.encode_batch(raw, add_special_tokens=False) if len(raw) > 1
-                else [self._hf.encode(r, add_special_tokens=False) for r in raw])
     for f in frags:
+      # one fragment at a time: encode_batch would start the Rust thread pool (trouble after fork)
       if isinstance(f, int):
         ids.append(f)
       else:
-        ids.extend(next(encs).ids)
+        ids.extend(self._hf.encode(f, add_special_tokens=False).ids)
     return ids
 
   # --- decode ------------------------------------------------------------------------------------
