@@ -283,7 +283,7 @@ def _to_param(qtype: str, data: np.ndarray, shape: tuple[int, ...]):
   if qtype == "BF16":  # gguf-py hands BF16 over as raw bytes / uint16
     raw = np.ascontiguousarray(data).view(np.uint16).reshape(shape)
     return jnp.asarray(raw).view(jnp.bfloat16)
-  return QTensor(jnp.asarray(np.ascontiguousarray(data)), qtype, shape[-1])
+  return QTensor.from_gguf(data, qtype, shape[-1])
 
 
 def load_params(f: GGUFFile, c: ModelConfig) -> dict:

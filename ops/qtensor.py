@@ -21,6 +21,10 @@ class QTensor:
   data: jax.Array
   qtype: str = struct.field(pytree_node=False)
   n: int = struct.field(pytree_node=False)        # values per row (the input dimension of a weight)
+  # Which implementation multiplies with this tensor: "xla" (dequantize-then-dot reference), "pallas" (compiled
+  # kernel) or "interpret" (the Pallas kernel in interpret mode, for CPU tests). A static field, so switching it
+  # changes the treedef and every jitted function retraces: `with_kernels(params, "pallas")`.
+  kernel: str = struct.field(pytree_node=False, default="xla")
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -36,7 +40,24 @@ class QTensor:
 
   def __getitem__(self, idx) -> "QTensor":
     """Index leading dims (e.g. experts): `w[ids]` keeps the rows packed."""
-    return QTensor(self.data[idx], self.qtype, self.n)
+    return self.replace(data=self.data[idx])
+
+  @classmethod
+  def from_gguf(cls, data_u8, qtype: str, n: int) -> "QTensor":
+    """From a GGUF tensor's bytes (numpy uint8 [..., rows, row_bytes])."""
+    import numpy as np
+    return cls(jnp.asarray(np.ascontiguousarray(data_u8)), qtype, n)
+
+
+KERNELS = ("xla", "pallas", "interpret")
+
+
+def with_kernels(params, kernel: str):
+  """The same params with every QTensor set to use `kernel` ("xla" | "pallas" | "interpret")."""
+  if kernel not in KERNELS:
+    raise ValueError(f"kernels: {kernel!r}, expected one of {KERNELS}")
+  return jax.tree_util.tree_map(lambda w: w.replace(kernel=kernel) if isinstance(w, QTensor) else w, params,
+                                is_leaf=lambda w: isinstance(w, QTensor))
 
 
 def as_dense(w, dtype=jnp.float32) -> jax.Array:
