@@ -24,10 +24,14 @@ class KVRing:
   length: jax.Array             # int32 scalar: positions written so far (next position to write)
   capacity: int = struct.field(pytree_node=False)
   dtype: str = struct.field(pytree_node=False)
+  # Slots reserved for speculative overshoot: a verify pass writes up to `scratch` positions past the accepted
+  # length, and a wrapped ring must not lose live entries to them. Attention sees the last capacity - scratch
+  # positions (`window`), so a rejected write only ever lands on a slot that is no longer read.
+  scratch: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
   def create(cls, n_layers: int, capacity: int, n_kv_heads: int, head_dim: int, dtype: str = "bf16",
-             block: int = 1) -> "KVRing":
+             block: int = 1, scratch: int = 0) -> "KVRing":
     if dtype not in KV_DTYPES:
       raise ValueError(f"KVRing: kv dtype {dtype!r} is not one of {KV_DTYPES}")
     if capacity <= 0 or capacity % block:
@@ -35,7 +39,14 @@ class KVRing:
     shape = (n_layers, capacity, n_kv_heads, head_dim)
     k = jnp.zeros(shape, _STORE[dtype])
     scales = (jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32)) if dtype == "int8" else (None, None)
-    return cls(k, jnp.zeros(shape, _STORE[dtype]), *scales, jnp.zeros((), jnp.int32), capacity, dtype)
+    if not 0 <= scratch < capacity:
+      raise ValueError(f"KVRing: scratch {scratch} must be in [0, capacity {capacity})")
+    return cls(k, jnp.zeros(shape, _STORE[dtype]), *scales, jnp.zeros((), jnp.int32), capacity, dtype, scratch)
+
+  @property
+  def window(self) -> int:
+    """Positions attention can see: the last `capacity - scratch` written."""
+    return self.capacity - self.scratch
 
   @property
   def n_layers(self) -> int:

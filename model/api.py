@@ -35,13 +35,18 @@ class ModelState:
 
 
 def init_state(cfg: ModelConfig, capacity: int, kv: str = "bf16", mtp_window: int | None = None,
-               attn_block: int = ATTN_BLOCK) -> ModelState:
-  """Empty state: a main ring of `capacity` slots and, for models with NextN blocks, a drafter ring."""
+               attn_block: int = ATTN_BLOCK, scratch: int = 0) -> ModelState:
+  """Empty state: a main ring of `capacity` slots and, for models with NextN blocks and an `mtp_window`, a
+  drafter ring that sees the last `mtp_window` entries (capacity: window + scratch, rounded up to a whole
+  attention block). `scratch` reserves slots for speculative overshoot (k + 1 for k drafts)."""
   blk = min(attn_block, capacity)
-  ring = KVRing.create(cfg.n_layers, capacity, cfg.n_kv_heads, cfg.head_dim, kv, block=blk)
+  ring = KVRing.create(cfg.n_layers, capacity, cfg.n_kv_heads, cfg.head_dim, kv, block=blk, scratch=scratch)
   mtp = None
   if cfg.n_nextn and mtp_window:
-    mtp = KVRing.create(cfg.n_nextn, mtp_window, cfg.n_kv_heads, cfg.head_dim, kv, block=min(attn_block, mtp_window))
+    cap = mtp_window + scratch
+    mblk = min(attn_block, cap)
+    cap = -(-cap // mblk) * mblk
+    mtp = KVRing.create(cfg.n_nextn, cap, cfg.n_kv_heads, cfg.head_dim, kv, block=mblk, scratch=cap - mtp_window)
   return ModelState(ring, mtp)
 
 

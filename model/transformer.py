@@ -87,7 +87,8 @@ class Attention(nn.Module):
           q, ring.k[L], ring.v[L],
           None if ring.k_scale is None else ring.k_scale[L],
           None if ring.v_scale is None else ring.v_scale[L],
-          pos_T, ring.length + T, block=attn_block, scale=scale)
+          # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
+          pos_T, ring.length + T + ring.scratch, block=attn_block, scale=scale)
     return linear(o.reshape(T, Hq * Dh), wo), ring
 
 

@@ -1,0 +1,248 @@
+"""Speculative decoding: draft k tokens, verify them in one forward pass of k + 1 positions, keep the longest
+accepted prefix plus the target's own next token.
+
+A round is one jitted function and the decode loop is a `lax.while_loop` over rounds with a static-size
+history buffer and a donated state. Invariants (each a test):
+  * greedy output equals plain greedy decoding, for every drafter;
+  * rejected positions leave nothing that is read again: the main ring is rewound to the accepted length and
+    keeps `scratch = k + 1` slots of slack (KVRing.scratch), the drafter ring likewise;
+  * the NextN drafter ring and its pending hidden states advance with accepted tokens only.
+
+NextN bookkeeping (DESIGN "MTP round"): drafter entry j pairs the target hidden state at position j (after
+output_norm) with token j + 1, runs at position j + 1 and predicts token j + 2. After a round that accepted
+n tokens at position P, entries P .. P + n are *pending*: their true hidden states came out of the verify pass,
+and the next round's first drafter call writes them (k + 1 slots, the first n_pend valid) before drafting.
+Depth i > 1 reuses the block on its own output hidden state; those speculative entries are dropped by
+rewinding the drafter ring to P.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from decode import drafters
+from decode.engine import GenConfig, GenResult, RequestError, ring_capacity
+from decode.sampling import sample, target_probs
+from model import api
+from model.config import ModelConfig
+
+
+@struct.dataclass
+class SpecState:
+  model: api.ModelState
+  hist: jax.Array        # int32 [H]: prompt + generated tokens; hist[n_hist - 1] is the last token (not yet verified)
+  n_hist: jax.Array
+  n_prompt: jax.Array
+  pend_h: jax.Array      # [k + 1, D] pending drafter entries: target hidden states ...
+  pend_t: jax.Array      # [k + 1] ... and the tokens that follow them
+  n_pend: jax.Array
+  key: jax.Array
+  done: jax.Array
+  proposed: jax.Array    # int32 [k] drafts proposed per draft position
+  accepted: jax.Array    # int32 [k] drafts accepted per draft position
+  rounds: jax.Array
+
+
+def _probs(logits, temperature, top_p):
+  return target_probs(logits, temperature, top_p)
+
+
+def _draft_mtp(params, s: SpecState, key, *, cfg, k, temperature, top_p):
+  """k NextN drafts (and their proposal distributions when sampling)."""
+  ring = s.model.mtp_ring
+  P = s.model.ring.length
+  J = ring.length
+  logits, h, ring = api.mtp_forward(params, s.pend_h, s.pend_t, ring, cfg=cfg)
+  ring = ring.rewind(J + s.n_pend)
+  lg, hh = logits[s.n_pend - 1], h[s.n_pend - 1]
+  ds, qs = [], []
+  keys = jax.random.split(key, k)
+  for i in range(k):
+    if temperature == 0.0:
+      d = jnp.argmax(lg).astype(jnp.int32)
+    else:
+      q = _probs(lg, temperature, top_p)
+      d = jax.random.categorical(keys[i], jnp.log(q)).astype(jnp.int32)
+      qs.append(q)
+    ds.append(d)
+    if i < k - 1:
+      lg1, h1, ring = api.mtp_forward(params, hh[None], d[None], ring, cfg=cfg)
+      lg, hh = lg1[0], h1[0]
+  ring = ring.rewind(P)
+  return jnp.stack(ds), (jnp.stack(qs) if qs else None), ring
+
+
+def verify_greedy(logits_KV, d_K, valid_K):
+  """Greedy verification: accept the longest prefix of drafts equal to the target's argmax; the next token is
+  the target's argmax after it. logits: [k+1, V] at positions P .. P+k. Returns (n_acc, next token)."""
+  k = d_K.shape[0]
+  g = jnp.argmax(logits_KV, axis=-1).astype(jnp.int32)
+  acc = valid_K & (d_K == g[:k])
+  n_acc = jnp.sum(jnp.cumprod(acc.astype(jnp.int32)))
+  return n_acc, g[n_acc]
+
+
+def verify_sample(p_KV, q_kV, d_K, valid_K, key):
+  """Rejection-sampling verification (the emitted tokens have the target distribution p).
+
+  p: [k+1, V] target distributions at positions P .. P+k; q: [k, V] the drafter's proposal distributions
+  (one-hot for deterministic drafters, zero rows for missing drafts); d: [k] drafts. Draft i is accepted with
+  probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn from the normalised
+  residual max(p - q, 0), after k acceptances from p_k. Returns (n_acc, next token)."""
+  k = d_K.shape[0]
+  k_acc, k_res = jax.random.split(key)
+  pd = jnp.take_along_axis(p_KV[:k], d_K[:, None], axis=-1)[:, 0]
+  qd = jnp.take_along_axis(q_kV, d_K[:, None], axis=-1)[:, 0]
+  u = jax.random.uniform(k_acc, (k,))
+  acc = valid_K & (u * qd < pd)
+  n_acc = jnp.sum(jnp.cumprod(acc.astype(jnp.int32)))
+  pr = p_KV[n_acc]
+  qr = jnp.where(n_acc < k, q_kV[jnp.minimum(n_acc, k - 1)], 0.0)
+  res = jnp.maximum(pr - qr, 0.0)
+  tot = jnp.sum(res)
+  res = jnp.where(tot > 0, res / jnp.where(tot > 0, tot, 1.0), pr)
+  return n_acc, jax.random.categorical(k_res, jnp.log(res)).astype(jnp.int32)
+
+
+def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int, drafter: str,
+               temperature: float, top_p: float) -> SpecState:
+  P = s.model.ring.length
+  tok = s.hist[s.n_hist - 1]
+  key, k_draft, k_acc = jax.random.split(s.key, 3)
+  model = s.model
+  q = None
+  if drafter == "mtp":
+    d, q, mtp_ring = _draft_mtp(params, s, k_draft, cfg=cfg, k=k, temperature=temperature, top_p=top_p)
+    model = model.replace(mtp_ring=mtp_ring)
+  elif drafter == "lookup":
+    d = drafters.lookup_draft(s.hist, s.n_hist, k)
+  elif drafter == "replay":
+    d = drafters.replay_draft(replay, s.n_hist, k)
+  else:
+    raise ValueError(f"drafter {drafter!r}")
+  valid = d >= 0
+  d = jnp.where(valid, d, 0)
+  # verify: the target on [t_P, d_1 .. d_k] at positions P .. P + k
+  logits, hidden, model = api.forward(params, jnp.concatenate([tok[None], d]), model, cfg=cfg)
+  if temperature == 0.0:
+    n_acc, nxt = verify_greedy(logits, d, valid)
+  else:
+    p = jax.vmap(lambda l: _probs(l, temperature, top_p))(logits)                    # [k+1, V]
+    if q is None:                                                                     # deterministic drafter
+      q = jax.nn.one_hot(d, cfg.vocab_size, dtype=jnp.float32) * valid[:, None]
+    n_acc, nxt = verify_sample(p, q, d, valid, k_acc)
+  i = jnp.arange(k + 1, dtype=jnp.int32)
+  em = jnp.where(i < n_acc, jnp.concatenate([d, d[-1:]]), nxt)                      # emitted tokens (first n_acc + 1)
+  count = n_acc + 1
+  is_eos = (em == eos_id) & (i < count)
+  hit = jnp.any(is_eos)
+  count = jnp.where(hit, jnp.argmax(is_eos) + 1, count)
+  hist = jax.lax.dynamic_update_slice(s.hist, em, (s.n_hist,))
+  model = model.replace(ring=model.ring.rewind(P + n_acc + 1))
+  return SpecState(
+      model=model, hist=hist, n_hist=s.n_hist + count, n_prompt=s.n_prompt,
+      pend_h=hidden.astype(s.pend_h.dtype), pend_t=em, n_pend=n_acc + 1, key=key, done=s.done | hit,
+      proposed=s.proposed + valid.astype(jnp.int32), accepted=s.accepted + (i[:k] < n_acc).astype(jnp.int32),
+      rounds=s.rounds + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "drafter", "temperature", "top_p"), donate_argnames=("s",))
+def spec_loop(params, s: SpecState, replay, eos_id, max_new, *, cfg: ModelConfig, k: int, drafter: str,
+              temperature: float, top_p: float) -> SpecState:
+  """Rounds until max_new tokens are generated or EOS."""
+  def cond(s):
+    return ~s.done & (s.n_hist - s.n_prompt < max_new)
+
+  def body(s):
+    return spec_round(params, s, replay, eos_id, cfg=cfg, k=k, drafter=drafter, temperature=temperature, top_p=top_p)
+
+  return jax.lax.while_loop(cond, body, s)
+
+
+def _hist_size(n: int) -> int:
+  b = 64
+  while b < n:
+    b *= 2
+  return b
+
+
+def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, drafter: str = "mtp", k: int = 3,
+                         mtp_window: int = 4096, replay_ids=None, eager: bool = False, **kw) -> GenResult:
+  """Generate with drafts from `drafter` (mtp | lookup | replay), k per round.
+
+  replay_ids: for drafter="replay", the continuation to propose (e.g. a plain greedy run's ids).
+  eager=True runs the rounds one by one from Python (same jitted round, easier to inspect).
+  """
+  gen = dataclasses.replace(gen or GenConfig(), **kw)
+  cfg, params, tok = model.cfg, model.params, model.tokenizer
+  if drafter not in ("mtp", "lookup", "replay"):
+    raise RequestError(f"--draft: {drafter!r}, expected mtp, lookup or replay")
+  if drafter == "mtp" and not cfg.n_nextn:
+    raise RequestError(f"--draft mtp: the model ({cfg.arch}) has no NextN block")
+  if k < 1:
+    raise RequestError(f"--mtp_draft: {k}, expected >= 1")
+  prompt = [int(i) for i in prompt_ids]
+  if not prompt:
+    raise RequestError("prompt: empty, expected at least one token")
+  T, n = len(prompt), gen.max_new_tokens
+  need = T + n
+  cap = ring_capacity(need + k + 1, gen.kv_resident)
+  max_ctx = gen.max_context or (cap - k - 1)
+  if need > max_ctx:
+    raise RequestError(f"prompt: {T} tokens + max_new_tokens {n} = {need} exceeds max_context {max_ctx}")
+  if need + k + 1 > cap:
+    raise RequestError(f"kv_resident {cap} holds {cap - k - 1} tokens with {k} drafts; the request needs {need}")
+  state = api.init_state(cfg, cap, gen.kv, mtp_window=mtp_window if drafter == "mtp" else None, scratch=k + 1)
+  t0 = time.perf_counter()
+  logits, hidden, state = api.prefill(params, jnp.asarray(prompt, jnp.int32), state, cfg=cfg, last_only=True)
+  key = jax.random.PRNGKey(gen.seed)
+  key, sub = jax.random.split(key)
+  first = sample(logits[-1], sub, gen.temperature, gen.top_p)
+  pend_h = jnp.zeros((k + 1, cfg.d_model), jnp.float32).at[0].set(hidden[-1])
+  pend_t = jnp.zeros((k + 1,), jnp.int32).at[0].set(first)
+  if drafter == "mtp" and T > 1:
+    _, _, ring = api.mtp_step(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring, cfg=cfg)
+    state = state.replace(mtp_ring=ring)
+  first.block_until_ready()
+  ttft = time.perf_counter() - t0
+  H = _hist_size(T + n + k + 2)
+  hist = jnp.zeros((H,), jnp.int32).at[:T].set(jnp.asarray(prompt, jnp.int32)).at[T].set(first)
+  replay = jnp.full((H,), -1, jnp.int32)
+  if drafter == "replay":
+    if replay_ids is None:
+      raise RequestError("--draft replay: needs a recorded continuation (replay_ids)")
+    rec = np.asarray(prompt + [int(i) for i in replay_ids], np.int32)[:H]
+    replay = replay.at[: len(rec)].set(rec)
+  eos = tok.eos_id if (gen.stop_at_eos and tok.eos_id is not None) else -1
+  s = SpecState(state, hist, jnp.int32(T + 1), jnp.int32(T), pend_h, pend_t, jnp.int32(1), key,
+                jnp.asarray(int(first) == eos), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), jnp.int32(0))
+  kwargs = dict(cfg=cfg, k=k, drafter=drafter, temperature=gen.temperature, top_p=gen.top_p)
+  if eager:
+    rnd = jax.jit(functools.partial(spec_round, **kwargs))
+    t1 = time.perf_counter()
+    while not bool(s.done) and int(s.n_hist) - T < n:
+      s = rnd(params, s, replay, jnp.int32(eos))
+  else:
+    s = spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(0), **kwargs)     # compile (no round runs)
+    jax.block_until_ready(s)
+    t1 = time.perf_counter()
+    s = spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(n), **kwargs)
+    jax.block_until_ready(s)
+  dt = time.perf_counter() - t1
+  got = int(s.n_hist) - T
+  ids = [int(i) for i in np.asarray(s.hist)[T: T + min(got, n)]]
+  rounds = int(s.rounds)
+  prop, accd = np.asarray(s.proposed).tolist(), np.asarray(s.accepted).tolist()
+  stats = {"prompt_tokens": T, "generated_tokens": len(ids), "ttft_s": ttft, "decode_s": dt,
+           "decode_tok_s": (got - 1) / dt if dt > 0 else 0.0, "kv": gen.kv, "kv_resident": cap, "eager": eager,
+           "drafter": drafter, "k": k, "rounds": rounds, "drafts_proposed": prop, "drafts_accepted": accd,
+           "acceptance": (sum(accd) / sum(prop)) if sum(prop) else 0.0,
+           "mean_accepted_len": (sum(accd) / rounds) if rounds else 0.0,
+           "mtp_window": mtp_window if drafter == "mtp" else None}
+  return GenResult(prompt, ids, tok.decode(ids), stats)
