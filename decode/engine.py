@@ -91,20 +91,27 @@ def _buffer_size(n: int) -> int:
   return b
 
 
-def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = False, **kw) -> GenResult:
-  """Greedy or sampled generation from `prompt_ids` (a LoadedModel from model.loader)."""
+def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = False, ring_start: int | None = None,
+             **kw) -> GenResult:
+  """Greedy or sampled generation from `prompt_ids` (a LoadedModel from model.loader).
+
+  ring_start: with kv_resident auto, size the first bucket for this many tokens instead of the whole request
+  (the ring then grows into the next bucket when the request runs past it; one compile per bucket)."""
   gen = dataclasses.replace(gen or GenConfig(), **kw)
   cfg, params, tok = model.cfg, model.params, model.tokenizer
   prompt = list(int(i) for i in prompt_ids)
   if not prompt:
     raise RequestError("prompt: empty, expected at least one token")
   need = len(prompt) + gen.max_new_tokens
-  cap = ring_capacity(need, gen.kv_resident)
-  max_ctx = gen.max_context or cap
+  max_ctx = gen.max_context or ring_capacity(need, gen.kv_resident)
   if need > max_ctx:
     raise RequestError(f"prompt: {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} = {need} exceeds "
                        f"max_context {max_ctx}")
-  if max_ctx > cap:
+  # --kv_resident auto: the smallest power-of-two bucket from 1024 holding the request (or ring_start's bucket,
+  # then grown bucket by bucket as the request runs past it); a fixed R never grows.
+  cap = ring_capacity(need if eager else (ring_start or need), gen.kv_resident)
+  grow = gen.kv_resident is None
+  if not grow and max_ctx > cap:
     raise RequestError(f"max_context {max_ctx} exceeds kv_resident {cap}: the host tier is not built yet")
   state = api.init_state(cfg, cap, gen.kv)
   t0 = time.perf_counter()
@@ -134,11 +141,23 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # compile (zero iterations)
     jax.block_until_ready(ls)
     t1 = time.perf_counter()
-    ls = decode_loop(params, ls, jnp.int32(n), jnp.int32(eos), **kwargs)
+    buckets = [cap]
+    while True:
+      # each step writes one position: stop the segment when the ring is full
+      room = ls.model.ring.capacity - int(ls.model.ring.length)
+      ls = decode_loop(params, ls, jnp.int32(min(n, int(ls.n) + room)), jnp.int32(eos), **kwargs)
+      if int(ls.n) >= n or bool(ls.done):
+        break
+      if not grow:
+        raise RequestError(f"kv_resident {cap} is full after {int(ls.model.ring.length)} positions")
+      new_cap = ls.model.ring.capacity * 2
+      ls = ls.replace(model=ls.model.replace(ring=ls.model.ring.grow(new_cap)))
+      buckets.append(new_cap)
     count = int(ls.n)
     dt = time.perf_counter() - t1
     ids = [int(i) for i in np.asarray(ls.out)[:count]]
   stats = {"prompt_tokens": len(prompt), "generated_tokens": len(ids), "ttft_s": ttft,
            "decode_s": dt, "decode_tok_s": len(ids) / dt if dt > 0 else 0.0,
-           "kv": gen.kv, "kv_resident": cap, "eager": eager}
+           "kv": gen.kv, "kv_resident": cap, "eager": eager,
+           "ring_buckets": [cap] if eager else buckets}
   return GenResult(prompt, ids, tok.decode(ids), stats)

@@ -26,6 +26,15 @@ flags.DEFINE_enum("kv", "bf16", ["f32", "bf16", "int8"], "K/V cache dtype")
 flags.DEFINE_string("kv_resident", "auto", "main ring capacity R (tokens), or auto")
 flags.DEFINE_integer("max_context", None, "longest prompt + generation accepted (default: the ring's capacity)")
 flags.DEFINE_enum("kernels", "xla", ["pallas", "xla"], "quantized kernels: Pallas on GPU or the XLA reference")
+flags.DEFINE_enum("mtp", "on", ["on", "off"], "MTP (NextN) drafting when the model has a NextN block")
+flags.DEFINE_integer("mtp_draft", 3, "drafts per round (k)")
+flags.DEFINE_integer("mtp_window", 4096, "the NextN drafter ring's sliding window (entries)")
+flags.DEFINE_enum("draft", "auto", ["auto", "mtp", "lookup", "replay", "none"],
+                  "drafter: auto = mtp when --mtp on and the model has NextN, else none; replay proposes the plain "
+                  "greedy continuation (run first, untimed) to measure the mechanics at 100 % acceptance")
+flags.DEFINE_bool("plan", False, "print the memory plan (kv_plan) before generating")
+flags.DEFINE_string("device_budget", None, "refuse plans over this many bytes of device memory (e.g. 24GiB)")
+flags.DEFINE_string("expert_cache", "all", "all (every expert resident); auto|N (device slots) come with the expert cache")
 flags.DEFINE_string("cache_dir", None, "orbax cache of loaded params (a second load skips GGUF parsing)")
 flags.DEFINE_bool("json", False, "print one JSON object as the last stdout line")
 flags.DEFINE_bool("eager", False, "run the decode loop eagerly (debugging)")
@@ -58,6 +67,7 @@ def _prompt_ids(tok) -> list[int]:
 
 def run() -> dict:
   from decode.engine import GenConfig, RequestError, generate
+  from decode.kv_plan import PlanError  # noqa: F401  (a ValueError: reported as one line below)
   from model.gguf_io import GGUFError
   from model.loader import default_model_path, load_model
   try:
@@ -67,7 +77,18 @@ def run() -> dict:
     kvr = None if FLAGS.kv_resident == "auto" else _int_flag("kv_resident", FLAGS.kv_resident)
     gen = GenConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                     seed=FLAGS.seed, kv=FLAGS.kv, kv_resident=kvr, max_context=FLAGS.max_context)
-    res = generate(model, ids, gen, eager=FLAGS.eager)
+    drafter = _drafter(model.cfg)
+    plan = _plan(model, gen, len(ids), drafter)
+    if FLAGS.plan:
+      print(plan.table(), file=sys.stderr if FLAGS.json else sys.stdout)
+    if drafter == "none":
+      res = generate(model, ids, gen, eager=FLAGS.eager)
+    else:
+      from decode.speculative import speculative_generate
+      replay = generate(model, ids, gen).ids if drafter == "replay" else None
+      res = speculative_generate(model, ids, gen, drafter=drafter, k=FLAGS.mtp_draft, mtp_window=FLAGS.mtp_window,
+                                 replay_ids=replay, eager=FLAGS.eager)
+    res.stats["plan"] = plan.to_json()
   except (GGUFError, RequestError, CLIError, ValueError) as e:
     print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
     sys.exit(1)
@@ -79,6 +100,35 @@ def run() -> dict:
   if FLAGS.json:
     print(json.dumps(out))
   return out
+
+
+def _drafter(cfg) -> str:
+  d = FLAGS.draft
+  if d == "auto":
+    return "mtp" if FLAGS.mtp == "on" and cfg.n_nextn else "none"
+  if d == "mtp" and FLAGS.mtp == "off":
+    raise CLIError("--draft mtp contradicts --mtp off")
+  return d
+
+
+def _plan(model, gen, n_prompt: int, drafter: str):
+  import jax
+
+  from decode.engine import ring_capacity
+  from decode.kv_plan import make_plan, parse_bytes
+  from ops.qtensor import QTensor
+  if FLAGS.expert_cache != "all":
+    raise CLIError(f"--expert_cache {FLAGS.expert_cache}: only 'all' is implemented so far (the expert cache is issue 6)")
+  leaves = jax.tree_util.tree_leaves_with_path(model.params, is_leaf=lambda x: isinstance(x, QTensor))
+  nbytes = lambda x: x.nbytes if isinstance(x, QTensor) else int(x.size * x.dtype.itemsize)  # noqa: E731
+  total = sum(nbytes(x) for _, x in leaves)
+  experts = sum(nbytes(x) for p, x in leaves if "_exps" in jax.tree_util.keystr(p))
+  k = FLAGS.mtp_draft if drafter != "none" else 0
+  ring = ring_capacity(n_prompt + gen.max_new_tokens + (k + 1 if k else 0), gen.kv_resident)
+  plan = make_plan(model.cfg, weight_bytes=total, expert_bytes=experts, ring=ring, kv=gen.kv,
+                   max_context=gen.max_context, mtp_window=FLAGS.mtp_window if drafter == "mtp" else None, k=k,
+                   budget=parse_bytes(FLAGS.device_budget))
+  return plan.check()
 
 
 def _int_flag(name: str, v: str) -> int:

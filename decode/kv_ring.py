@@ -70,6 +70,24 @@ class KVRing:
     dt = _STORE[self.dtype]
     return self.replace(k=self.k.at[layer, slots].set(k_THD.astype(dt)), v=self.v.at[layer, slots].set(v_THD.astype(dt)))
 
+  def grow(self, capacity: int) -> "KVRing":
+    """The same live positions in a larger ring (the next bucket): slot p mod R moves to slot p mod R'."""
+    if capacity < self.capacity:
+      raise ValueError(f"KVRing.grow: {capacity} is smaller than the current capacity {self.capacity}")
+    R, L = self.capacity, self.length
+    s = jnp.arange(R, dtype=jnp.int32)
+    pos = L - 1 - jnp.mod(L - 1 - s, R)                    # position held by each old slot
+    dst = jnp.where(pos >= 0, pos % capacity, capacity)     # dead slots go out of bounds (dropped)
+
+    def move(a):
+      if a is None:
+        return None
+      new = jnp.zeros((a.shape[0], capacity) + a.shape[2:], a.dtype)
+      return new.at[:, dst].set(a, mode="drop")
+
+    return KVRing(move(self.k), move(self.v), move(self.k_scale), move(self.v_scale), L, capacity, self.dtype,
+                  self.scratch)
+
   def advance(self, n) -> "KVRing":
     return self.replace(length=self.length + jnp.asarray(n, jnp.int32))
 

@@ -1,0 +1,110 @@
+"""`kv_plan`: the memory plan computed before anything is allocated.
+
+Items (device unless noted): weights, expert cache slots, main ring (mode 0), host tier (mode 1, pinned host
+memory), drafter ring (mode 2, sized from --mtp_window), workspace; free = budget - device items. A plan over
+the budget is refused with a one-line error naming the largest items.
+
+>>> from configs.presets import QWEN3MOE_30B_A3B as cfg
+>>> p = make_plan(cfg, weight_bytes=13 << 30, ring=32768, kv="int8", budget=24 << 30)
+>>> print(p.table())                                  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from model.config import ModelConfig
+
+GiB = 1 << 30
+_KV_BYTES = {"f32": 4, "bf16": 2, "int8": 1}
+
+
+class PlanError(ValueError):
+  """The plan does not fit the device budget (one line)."""
+
+
+def parse_bytes(s: str | int | None) -> int | None:
+  """'24GiB', '24G', '512MiB', '1e9' or an int -> bytes."""
+  if s is None or isinstance(s, int):
+    return s
+  m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?B?)\s*", s)
+  if not m:
+    raise ValueError(f"--device_budget: {s!r}, expected a size such as 24GiB")
+  mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+  return int(float(m.group(1)) * mult)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, n_layers: int, kv: str) -> int:
+  per = 2 * n_layers * cfg.n_kv_heads * cfg.head_dim * _KV_BYTES[kv]
+  if kv == "int8":
+    per += 2 * n_layers * cfg.n_kv_heads * 4          # absmax scales
+  return per
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  name: str
+  bytes: int
+  where: str = "device"     # device | host
+  mode: int | None = None   # kv_plan mode of a cache item (0 main ring, 1 host tier, 2 drafter ring)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  items: tuple[Item, ...]
+  budget: int | None
+
+  @property
+  def device_bytes(self) -> int:
+    return sum(i.bytes for i in self.items if i.where == "device")
+
+  @property
+  def free(self) -> int | None:
+    return None if self.budget is None else self.budget - self.device_bytes
+
+  def get(self, name: str) -> int:
+    return sum(i.bytes for i in self.items if i.name == name)
+
+  def table(self) -> str:
+    rows = ["| item | mode | where | GiB |", "| --- | ---: | --- | ---: |"]
+    for i in self.items:
+      rows.append(f"| {i.name} | {'' if i.mode is None else i.mode} | {i.where} | {i.bytes / GiB:.3f} |")
+    rows.append(f"| device total | | device | {self.device_bytes / GiB:.3f} |")
+    if self.budget is not None:
+      rows.append(f"| budget | | device | {self.budget / GiB:.3f} |")
+      rows.append(f"| free | | device | {self.free / GiB:.3f} |")
+    return "\n".join(rows)
+
+  def check(self) -> "MemoryPlan":
+    if self.budget is not None and self.free < 0:
+      big = sorted((i for i in self.items if i.where == "device"), key=lambda i: -i.bytes)[:3]
+      names = ", ".join(f"{i.name} {i.bytes / GiB:.2f} GiB" for i in big)
+      raise PlanError(f"memory plan: {self.device_bytes / GiB:.2f} GiB on the device exceeds the budget "
+                      f"{self.budget / GiB:.2f} GiB (largest: {names})")
+    return self
+
+  def to_json(self) -> dict:
+    return {"items": [dataclasses.asdict(i) for i in self.items], "budget": self.budget, "free": self.free}
+
+
+def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16", max_context: int | None = None,
+              mtp_window: int | None = None, k: int = 0, expert_bytes: int = 0, expert_cache_bytes: int | None = None,
+              prefill_chunk: int = 1024, budget: int | None = None) -> MemoryPlan:
+  """The plan for one request shape. weight_bytes: all params; expert_bytes: the routed experts' share of it;
+  expert_cache_bytes: device slots when experts are cached (None: all resident)."""
+  items = []
+  if expert_cache_bytes is None:
+    items.append(Item("weights", weight_bytes))
+  else:
+    items.append(Item("weights (non-expert)", weight_bytes - expert_bytes))
+    items.append(Item("expert cache slots", expert_cache_bytes))
+    items.append(Item("expert store", expert_bytes, "host"))
+  items.append(Item("main ring", ring * kv_bytes_per_token(cfg, cfg.n_layers, kv), mode=0))
+  if max_context and max_context > ring:
+    items.append(Item("host tier", (max_context - ring) * kv_bytes_per_token(cfg, cfg.n_layers, kv), "host", mode=1))
+  if cfg.n_nextn and mtp_window:
+    items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv), mode=2))
+  # activations of one prefill chunk: residual stream, q/k/v, expert hidden, last logits (float32)
+  act = prefill_chunk * 4 * (4 * cfg.d_model + 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.top_k * cfg.d_ff_expert)
+  items.append(Item("workspace", act + 4 * cfg.vocab_size * (k + 1) * 4))
+  return MemoryPlan(tuple(items), budget)
