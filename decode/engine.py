@@ -59,18 +59,16 @@ class LoopState:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_p"), donate_argnames=("ls",))
 def decode_loop(params, ls: LoopState, n_max, eos_id, *, cfg: ModelConfig, temperature: float, top_p: float):
-  """Generate until n == n_max or EOS: each iteration stores `token` and computes the next one."""
+  """Generate until n == n_max or EOS: each iteration feeds `token` (already in out[n-1]) and stores the next."""
 
   def cond(s):
     return (s.n < n_max) & ~s.done
 
   def body(s):
-    out = s.out.at[s.n].set(s.token)
-    done = s.done | (s.token == eos_id)
     logits, _, model = api.forward(params, s.token[None], s.model, cfg=cfg)
     key, sub = jax.random.split(s.key)
     nxt = sample(logits[0], sub, temperature, top_p)
-    return LoopState(model, out, s.n + 1, nxt, key, done)
+    return LoopState(model, s.out.at[s.n].set(nxt), s.n + 1, nxt, key, s.done | (nxt == eos_id))
 
   return jax.lax.while_loop(cond, body, ls)
 
@@ -124,19 +122,17 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   eos = tok.eos_id if (gen.stop_at_eos and tok.eos_id is not None) else -1
   n = gen.max_new_tokens
   if eager:
-    ids, t1 = [], time.perf_counter()
+    ids, t1 = [int(first)], time.perf_counter()
     token = first
-    for _ in range(n):
-      ids.append(int(token))
-      if int(token) == eos:
-        break
+    while len(ids) < n and ids[-1] != eos:
       lg, _, state = api.decode_step(params, token, state, cfg=cfg)
       key, sub = jax.random.split(key)
       token = sample(lg, sub, gen.temperature, gen.top_p)
+      ids.append(int(token))
     dt = time.perf_counter() - t1
   else:
-    ls = LoopState(state, jnp.zeros(_buffer_size(n), jnp.int32), jnp.zeros((), jnp.int32), first, key,
-                   jnp.zeros((), bool))
+    ls = LoopState(state, jnp.zeros(_buffer_size(n), jnp.int32).at[0].set(first), jnp.ones((), jnp.int32), first,
+                   key, first == eos)
     kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p)
     ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # compile (zero iterations)
     jax.block_until_ready(ls)
@@ -157,7 +153,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     dt = time.perf_counter() - t1
     ids = [int(i) for i in np.asarray(ls.out)[:count]]
   stats = {"prompt_tokens": len(prompt), "generated_tokens": len(ids), "ttft_s": ttft,
-           "decode_s": dt, "decode_tok_s": len(ids) / dt if dt > 0 else 0.0,
+           "decode_s": dt, "decode_tok_s": (len(ids) - 1) / dt if dt > 0 and len(ids) > 1 else 0.0,
            "kv": gen.kv, "kv_resident": cap, "eager": eager,
            "ring_buckets": [cap] if eager else buckets}
   return GenResult(prompt, ids, tok.decode(ids), stats)

@@ -1,0 +1,214 @@
+"""`python -m decode.bench`: benchmark cells (arms x seeds), JSONL records, a markdown table and verdicts.
+
+Each cell is one request (greedy): a prompt of `prompt_tokens` (the depth), `max_new_tokens` generated, with
+the arm's ring capacity, drafter, KV dtype and kernels. Every cell first runs once untimed (compiles), then
+once per seed; each timed run writes one JSONL record (config, commit, device, prefill tok/s, TTFT, decode tok/s,
+drafts proposed/accepted per position, memory plan). The table shows the median decode tok/s over seeds and
+the drafts of every seed; pre-declared bars are evaluated and printed; a PNG plots tok/s against depth.
+
+  python -m decode.bench --arms seed4 --preset seed-mtp --cells /tmp/seed4.jsonl        # the seed's experiment
+  python -m decode.bench --gguf m.gguf --rings 4096,32768 --drafts none,lookup --depths 1024,8192
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("gguf", None, "model file (default: --preset's synthetic file, else the default model)")
+flags.DEFINE_string("preset", None, "write/reuse a synthetic file of this preset (configs.synth) under --synth_dir")
+flags.DEFINE_string("synth_dir", "/tmp/moejax-synth", "where synthetic files are written")
+flags.DEFINE_string("experts", "IQ3_S", "expert type of the synthetic file")
+flags.DEFINE_string("arms", None, "named arm set: seed4 | rings | depths | drafts (overrides the list flags)")
+flags.DEFINE_list("rings", ["auto"], "main ring capacities (kv_resident)")
+flags.DEFINE_list("drafts", ["none"], "drafters: none | mtp | lookup | replay")
+flags.DEFINE_list("kv", ["int8"], "KV dtypes")
+flags.DEFINE_list("depths", ["1024"], "prompt tokens (depth)")
+flags.DEFINE_integer("max_new_tokens", 256, "generated tokens per cell")
+flags.DEFINE_integer("mtp_draft", 3, "drafts per round")
+flags.DEFINE_integer("mtp_window", 4096, "drafter window")
+flags.DEFINE_integer("seeds", 3, "timed runs per cell")
+flags.DEFINE_integer("max_context", None, "max_context of every request (informative here: no host tier yet)")
+flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
+flags.DEFINE_string("cells", "/tmp/moejax-bench/cells.jsonl", "JSONL output (one record per timed run)")
+flags.DEFINE_string("plot", None, "PNG of decode tok/s against depth per arm (default: beside --cells)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  ring: str = "auto"
+  draft: str = "none"
+  kv: str = "int8"
+  depth: int = 1024
+
+
+# The seed report (#3166): ring 32,768 vs 49,152, MTP on vs off, 1,024-token prompt, 256 tokens, int8 KV.
+# On random weights MTP drafts are never accepted, so "on" arms are run with the NextN drafter (its real cost)
+# and with replay (100 % acceptance); "off" arms use lookup, as the seed engine did.
+SEED4 = [Arm("AS", "32768", "mtp"), Arm("BS", "49152", "mtp"), Arm("AR", "32768", "replay"), Arm("BR", "49152", "replay"),
+         Arm("AN", "32768", "lookup"), Arm("BN", "49152", "lookup")]
+SEED4_BARS = [("AS", "BS", 0.03, "decode tok/s"), ("AR", "BR", 0.03, "decode tok/s"), ("AN", "BN", 0.03, "decode tok/s"),
+              ("AS", "BS", 0.0, "drafts accepted"), ("AN", "BN", 0.0, "drafts accepted")]
+
+
+def _arms() -> tuple[list[Arm], list]:
+  if FLAGS.arms == "seed4":
+    return [dataclasses.replace(a, depth=int(FLAGS.depths[0])) for a in SEED4], SEED4_BARS
+  if FLAGS.arms not in (None, "", "grid"):
+    raise app.UsageError(f"--arms {FLAGS.arms!r}: known sets are seed4 (or give --rings/--drafts/--kv/--depths)")
+  arms = []
+  for r, d, kv, dep in itertools.product(FLAGS.rings, FLAGS.drafts, FLAGS.kv, FLAGS.depths):
+    arms.append(Arm(f"R{r}-{d}-{kv}-D{dep}", r, d, kv, int(dep)))
+  return arms, []
+
+
+def _commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+  except OSError:
+    return "unknown"
+
+
+def _device() -> str:
+  import jax
+  d = jax.devices()[0]
+  return f"{d.platform}:{getattr(d, 'device_kind', d.platform)}"
+
+
+def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
+  from decode.engine import GenConfig, generate
+  from decode.speculative import speculative_generate
+  from model.loader import LoadedModel  # noqa: F401
+  base = [7, 11, 13, 17, 19, 23, 29, 31]
+  prompt = [(base[i % len(base)] * (i + 1 + seed)) % model.cfg.vocab_size for i in range(arm.depth)]
+  gen = GenConfig(max_new_tokens=max_new, kv=arm.kv, kv_resident=None if arm.ring == "auto" else int(arm.ring),
+                  max_context=None, stop_at_eos=False, seed=seed)
+  if arm.draft == "none":
+    res = generate(model, prompt, gen)
+  else:
+    replay = generate(model, prompt, gen).ids if arm.draft == "replay" else None
+    res = speculative_generate(model, prompt, gen, drafter=arm.draft, k=FLAGS.mtp_draft, mtp_window=FLAGS.mtp_window,
+                               replay_ids=replay)
+  st = dict(res.stats)
+  st["prefill_tok_s"] = arm.depth / st["ttft_s"] if st["ttft_s"] else 0.0
+  return st
+
+
+def _table(records: list[dict], arms: list[Arm]) -> str:
+  rows = ["| arm | ring | draft | kv | depth | decode tok/s (median) | prefill tok/s | drafts accepted/proposed per seed |",
+          "| --- | ---: | --- | --- | ---: | ---: | ---: | --- |"]
+  for a in arms:
+    rs = [r for r in records if r["arm"] == a.name]
+    if not rs:
+      continue
+    med = statistics.median(r["stats"]["decode_tok_s"] for r in rs)
+    pre = statistics.median(r["stats"]["prefill_tok_s"] for r in rs)
+    drafts = " ".join(f"{sum(r['stats'].get('drafts_accepted', [0]))}/{sum(r['stats'].get('drafts_proposed', [0]))}"
+                      for r in rs) if a.draft != "none" else "-"
+    rows.append(f"| {a.name} | {a.ring} | {a.draft} | {a.kv} | {a.depth} | {med:.1f} | {pre:.0f} | {drafts} |")
+  return "\n".join(rows)
+
+
+def _verdicts(records: list[dict], bars) -> list[str]:
+  out = []
+  by = {}
+  for r in records:
+    by.setdefault(r["arm"], []).append(r)
+  for a, b, tol, what in bars:
+    if a not in by or b not in by:
+      continue
+    if what == "decode tok/s":
+      va = statistics.median(r["stats"]["decode_tok_s"] for r in by[a])
+      vb = statistics.median(r["stats"]["decode_tok_s"] for r in by[b])
+      rel = abs(vb - va) / va if va else float("inf")
+      out.append(f"|{b}-{a}|/{a} = {rel:.1%} (bar < {tol:.0%}): {'PASS' if rel < tol else 'FAIL'}")
+    else:
+      ca = [r["stats"].get("drafts_accepted") for r in by[a]]
+      cb = [r["stats"].get("drafts_accepted") for r in by[b]]
+      out.append(f"{what} {a} {ca} vs {b} {cb} (bar: identical): {'PASS' if ca == cb else 'FAIL'}")
+  return out
+
+
+def _plot(records, arms, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  groups = {}
+  for a in arms:
+    key = (a.ring, a.draft, a.kv)
+    rs = [r for r in records if r["arm"] == a.name]
+    if rs:
+      groups.setdefault(key, []).append((a.depth, statistics.median(r["stats"]["decode_tok_s"] for r in rs)))
+  for (ring, draft, kv), pts in groups.items():
+    pts.sort()
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"R={ring} {draft} {kv}")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("depth (prompt tokens)")
+  ax.set_ylabel("decode tok/s (median over seeds)")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  from tqdm import tqdm
+
+  from model.loader import default_model_path, load_model
+  from ops.qtensor import with_kernels
+  path = FLAGS.gguf
+  if path is None and FLAGS.preset:
+    from configs import synth
+    os.makedirs(FLAGS.synth_dir, exist_ok=True)
+    path = os.path.join(FLAGS.synth_dir, f"{FLAGS.preset}-{FLAGS.experts}.gguf")
+    if not os.path.isfile(path):
+      synth.write(FLAGS.preset, path, experts=FLAGS.experts)
+  path = path or default_model_path()
+  model = load_model(path)
+  model.params = with_kernels(model.params, FLAGS.kernels)
+  arms, bars = _arms()
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.cells)), exist_ok=True)
+  commit, device = _commit(), _device()
+  records = []
+  with open(FLAGS.cells, "a") as out:
+    for arm in tqdm(arms, desc="cells", unit="arm", file=sys.stderr):
+      try:
+        run_cell(model, arm, seed=-1, max_new=min(FLAGS.max_new_tokens, 16))          # compile
+        for seed in range(FLAGS.seeds):
+          t0 = time.time()
+          st = run_cell(model, arm, seed, FLAGS.max_new_tokens)
+          rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
+                 "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
+                 "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0, "stats": st}
+          records.append(rec)
+          out.write(json.dumps(rec) + "\n")
+          out.flush()
+      except ValueError as e:
+        print(f"cell {arm.name}: {str(e).splitlines()[0]}", file=sys.stderr)
+  print(f"\n{path} ({model.cfg.arch}), device {device}, commit {commit}, {FLAGS.max_new_tokens} tokens, "
+        f"{FLAGS.seeds} seeds\n")
+  print(_table(records, arms))
+  for v in _verdicts(records, bars):
+    print(v)
+  if len({a.depth for a in arms}) > 1 or FLAGS.plot:
+    png = FLAGS.plot or os.path.splitext(FLAGS.cells)[0] + ".png"
+    _plot(records, arms, png)
+    print(f"plot: {png}")
+
+
+if __name__ == "__main__":
+  app.run(main)
