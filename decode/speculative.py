@@ -55,10 +55,15 @@ def _probs(logits, temperature, top_p):
 
 def _draft_mtp(params, s: SpecState, key, *, cfg, k, temperature, top_p):
   """k NextN drafts (and their proposal distributions when sampling)."""
-  ring = s.model.mtp_ring
+  ring, ex = s.model.mtp_ring, s.model.experts
   P = s.model.ring.length
   J = ring.length
-  logits, h, ring = api.mtp_forward(params, s.pend_h, s.pend_t, ring, cfg=cfg)
+
+  def mtp(h, t, ring, ex):
+    out = api.mtp_forward(params, h, t, ring, cfg=cfg, experts=ex)
+    return out if ex is not None else out + (None,)
+
+  logits, h, ring, ex = mtp(s.pend_h, s.pend_t, ring, ex)
   ring = ring.rewind(J + s.n_pend)
   lg, hh = logits[s.n_pend - 1], h[s.n_pend - 1]
   ds, qs = [], []
@@ -72,10 +77,10 @@ def _draft_mtp(params, s: SpecState, key, *, cfg, k, temperature, top_p):
       qs.append(q)
     ds.append(d)
     if i < k - 1:
-      lg1, h1, ring = api.mtp_forward(params, hh[None], d[None], ring, cfg=cfg)
+      lg1, h1, ring, ex = mtp(hh[None], d[None], ring, ex)
       lg, hh = lg1[0], h1[0]
   ring = ring.rewind(P)
-  return jnp.stack(ds), (jnp.stack(qs) if qs else None), ring
+  return jnp.stack(ds), (jnp.stack(qs) if qs else None), ring, ex
 
 
 def verify_greedy(logits_KV, d_K, valid_K):
@@ -118,8 +123,8 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
   model = s.model
   q = None
   if drafter == "mtp":
-    d, q, mtp_ring = _draft_mtp(params, s, k_draft, cfg=cfg, k=k, temperature=temperature, top_p=top_p)
-    model = model.replace(mtp_ring=mtp_ring)
+    d, q, mtp_ring, ex = _draft_mtp(params, s, k_draft, cfg=cfg, k=k, temperature=temperature, top_p=top_p)
+    model = model.replace(mtp_ring=mtp_ring, experts=ex)
   elif drafter == "lookup":
     d = drafters.lookup_draft(s.hist, s.n_hist, k)
   elif drafter == "replay":

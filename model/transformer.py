@@ -82,13 +82,10 @@ class Attention(nn.Module):
       o = _causal_attention(q, k, v.astype(jnp.float32), scale)
     else:
       ring = ring.write(self.ring_layer, pos_T, k, v)
-      L = self.ring_layer
-      o = attn_ops.ring_attention(
-          q, ring.k[L], ring.v[L],
-          None if ring.k_scale is None else ring.k_scale[L],
-          None if ring.v_scale is None else ring.v_scale[L],
-          # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
-          pos_T, ring.length + T + ring.scratch, block=attn_block, scale=scale)
+      # the whole [L, R, ...] ring with a layer index (slicing ring.k[L] here would copy the layer every step);
+      # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
+      o = attn_ops.ring_attention(q, ring.k, ring.v, ring.k_scale, ring.v_scale, pos_T,
+                                  ring.length + T + ring.scratch, block=attn_block, scale=scale, layer=self.ring_layer)
     return linear(o.reshape(T, Hq * Dh), wo), ring
 
 
@@ -105,11 +102,16 @@ class DenseMLP(nn.Module):
 
 
 class MoE(nn.Module):
-  """Routed experts (softmax top-k, or sigmoid with a selection bias) plus an optional shared expert."""
+  """Routed experts (softmax top-k, or sigmoid with a selection bias) plus an optional shared expert.
+
+  With an expert cache (decode/expert_cache.py) the routed experts are read from its device slots, loading
+  misses from the store (the params' expert tensors); prefill-sized steps (T * k > E) read the store directly.
+  """
   cfg: ModelConfig
+  index: int = 0           # block index (the expert cache's row)
 
   @nn.compact
-  def __call__(self, x_TD):
+  def __call__(self, x_TD, ecache=None):
     c = self.cfg
     D, E, F = c.d_model, c.n_experts, c.d_ff_expert
     router = _param(self, "router", _init, (E, D))
@@ -124,12 +126,17 @@ class MoE(nn.Module):
       probs = jax.nn.sigmoid(logits)
       select = probs + _param(self, "router_bias", _zeros, (E,)).astype(jnp.float32)
     _, ids = jax.lax.top_k(select, c.top_k)                           # [T, K] int32
+    ids = ids.astype(jnp.int32)
     w = jnp.take_along_axis(probs, ids, axis=-1)
     if c.norm_topk:
       w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 6.103515625e-5)
     if c.routed_scale not in (0.0, 1.0):
       w = w * c.routed_scale
-    y = moe_ops.moe(x_TD, ids.astype(jnp.int32), w, gate, up, down)
+    T, K = ids.shape
+    if ecache is None or T * K > E:
+      y = moe_ops.moe(x_TD, ids, w, gate, up, down)
+    else:
+      y, ecache = _cached_moe(x_TD, ids, w, gate, up, down, ecache, self.index, E)
     if c.n_shared_experts or c.shared_expert_gate:
       Fs = c.d_ff_shared
       gs = _param(self, "gate_shexp", _init, (Fs, D))
@@ -140,7 +147,30 @@ class MoE(nn.Module):
         g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe: one gate logit per token
         ys = ys * jax.nn.sigmoid(x_TD.astype(jnp.float32) @ g.astype(jnp.float32))[:, None]
       y = y + ys
-    return y
+    return y, ecache
+
+
+def _cached_moe(x_TD, ids_TK, w_TK, gate, up, down, ecache, block, n_experts):
+  """The routed experts through the expert cache: all of a step's experts at once when they fit the pool
+  (bitwise the computation of the all-resident path), else token by token."""
+  from decode import expert_cache as xc
+  T, K = ids_TK.shape
+  S = ecache.pools[ecache.pool_of_block[block]].n_slots
+  if T * K <= S:
+    slots, ecache = xc.ensure(ecache, block, ids_TK.reshape(-1), gate, up, down, n_experts)
+    g, u, d = xc.pool_tensors(ecache, block, gate, up, down)
+    return moe_ops.moe(x_TD, slots.reshape(T, K), w_TK, g, u, d), ecache
+
+  def tok(t, carry):
+    y, ec = carry
+    slots, ec = xc.ensure(ec, block, ids_TK[t], gate, up, down, n_experts)
+    g, u, d = xc.pool_tensors(ec, block, gate, up, down)
+    xt = jax.lax.dynamic_slice_in_dim(x_TD, t, 1)
+    yt = moe_ops.moe(xt, slots[None], jax.lax.dynamic_slice_in_dim(w_TK, t, 1), g, u, d)
+    return jax.lax.dynamic_update_slice_in_dim(y, yt, t, 0), ec
+
+  y0 = jnp.zeros(x_TD.shape, jnp.float32)
+  return jax.lax.fori_loop(0, T, tok, (y0, ecache))
 
 
 class Block(nn.Module):
@@ -151,14 +181,17 @@ class Block(nn.Module):
   rope_offset: int = 0
 
   @nn.compact
-  def __call__(self, x_TD, pos_T, ring, attn_block):
+  def __call__(self, x_TD, pos_T, ring, attn_block, ecache=None):
     c = self.cfg
     h = rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps)
     a, ring = Attention(c, self.ring_layer, self.rope_offset, name="attn")(h, pos_T, ring, attn_block)
     x = x_TD + a
     h = rms_norm(x, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps)
-    ffn = MoE(c, name="ffn") if c.is_moe_layer(self.index) else DenseMLP(c, name="ffn")
-    return x + ffn(h), ring
+    if c.is_moe_layer(self.index):
+      y, ecache = MoE(c, self.index, name="ffn")(h, ecache)
+    else:
+      y = DenseMLP(c, name="ffn")(h)
+    return x + y, ring, ecache
 
 
 def _embed(table, tokens_T):
@@ -175,16 +208,19 @@ class Decoder(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_T, pos_T, ring: KVRing | None = None, attn_block: int = 256, last_only: bool = False):
+  def __call__(self, tokens_T, pos_T, ring: KVRing | None = None, attn_block: int = 256, last_only: bool = False,
+               ecache=None):
     c = self.cfg
     embed = _param(self, "token_embd", _init, (c.vocab_size, c.d_model))
     x = _embed(embed, tokens_T)
     for i in range(c.n_layers):
-      x, ring = Block(c, i, i, name=f"blk_{i}")(x, pos_T, ring, attn_block)
+      x, ring, ecache = Block(c, i, i, name=f"blk_{i}")(x, pos_T, ring, attn_block, ecache)
     hidden = rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps)
     head = embed if c.tied_embeddings else _param(self, "output", _init, (c.vocab_size, c.d_model))
     logits = linear(hidden[-1:] if last_only else hidden, head)
-    return logits, hidden, ring
+    if ecache is None:
+      return logits, hidden, ring
+    return logits, hidden, ring, ecache
 
 
 class MTPBlock(nn.Module):
@@ -200,15 +236,18 @@ class MTPBlock(nn.Module):
   j: int = 0
 
   @nn.compact
-  def __call__(self, hidden_TD, tokens_T, pos_T, ring: KVRing | None, embed, head, attn_block: int = 256):
+  def __call__(self, hidden_TD, tokens_T, pos_T, ring: KVRing | None, embed, head, attn_block: int = 256,
+               ecache=None):
     c = self.cfg
     D = c.d_model
     emb_tbl = self.get_variable("params", "embed_tokens") if self.has_variable("params", "embed_tokens") else embed
     e = rms_norm(_embed(emb_tbl, tokens_T), _param(self, "enorm", _ones, (D,)), c.rms_eps)
     hh = rms_norm(hidden_TD, _param(self, "hnorm", _ones, (D,)), c.rms_eps)
     x = linear(jnp.concatenate([e, hh], axis=-1), _param(self, "eh_proj", _init, (D, 2 * D)))
-    x, ring = Block(c, c.n_layers + self.j, self.j, 1, name="blk")(x, pos_T, ring, attn_block)
+    x, ring, ecache = Block(c, c.n_layers + self.j, self.j, 1, name="blk")(x, pos_T, ring, attn_block, ecache)
     h = rms_norm(x, _param(self, "shared_head_norm", _ones, (D,)), c.rms_eps)
     if self.has_variable("params", "shared_head_head"):
       head = self.get_variable("params", "shared_head_head")
-    return linear(h, head), h, ring
+    if ecache is None:
+      return linear(h, head), h, ring
+    return linear(h, head), h, ring, ecache

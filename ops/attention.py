@@ -5,6 +5,9 @@ from the first live block to the last, with an online softmax (float32). The loo
 arithmetic depend on positions alone, so rings of different capacity give bitwise-equal results at any
 depth both hold (DESIGN invariants 1 and 2). Block b holds positions [b*block, (b+1)*block), which sit in the
 contiguous slots starting at (b*block) mod R because R is a multiple of `block`.
+
+`ring_attention` dispatches: the Pallas split-K decode kernel (ops/attention_pallas.py) for T <= 8 queries on
+GPU, this reference on CPU and for prefill (chunked over queries, `ring_attention_ref_chunked`).
 """
 from __future__ import annotations
 
@@ -13,30 +16,34 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ops import attention_pallas
+
 NEG_INF = -1e30
+IMPLS = ("ref", "pallas", "interpret")
+DEFAULT_GPU_IMPL = "pallas"    # what default_impl picks on a GPU for decode/verify; "ref" to switch the kernel off
+PREFILL_Q_CHUNK = 512          # queries per chunk of the prefill reference: [512, Hq, block] f32 scores live
 
 
-def _load_block(k_ring, v_ring, k_scale, v_scale, start_slot, block):
-  k = jax.lax.dynamic_slice_in_dim(k_ring, start_slot, block, axis=0)
-  v = jax.lax.dynamic_slice_in_dim(v_ring, start_slot, block, axis=0)
+def _rows(x, layer, start_slot, block):
+  """x[layer, start_slot:start_slot + block] of a [L, R, ...] array, one dynamic slice (no layer copy)."""
+  idx = (layer, start_slot) + (0,) * (x.ndim - 2)
+  return jax.lax.dynamic_slice(x, idx, (1, block) + x.shape[2:])[0]
+
+
+def _load_block(k_ring, v_ring, k_scale, v_scale, layer, start_slot, block):
+  k = _rows(k_ring, layer, start_slot, block)
+  v = _rows(v_ring, layer, start_slot, block)
   if k_scale is not None:
-    ks = jax.lax.dynamic_slice_in_dim(k_scale, start_slot, block, axis=0)
-    vs = jax.lax.dynamic_slice_in_dim(v_scale, start_slot, block, axis=0)
+    ks = _rows(k_scale, layer, start_slot, block)
+    vs = _rows(v_scale, layer, start_slot, block)
     return k.astype(jnp.float32) * ks[..., None], v.astype(jnp.float32) * vs[..., None]
   return k.astype(jnp.float32), v.astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "scale"))
-def ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float):
-  """softmax(q k^T * scale) v over live, causal keys.
-
-  q_THD: [T, Hq, Dh] (after RoPE); k_ring/v_ring: [R, Hkv, Dh] (one layer, new rows already written);
-  k_scale/v_scale: [R, Hkv] or None; q_pos_T: [T] absolute positions; length: positions written (int32).
-  Key position p is visible to a query at q if p <= q and p >= length - R (not yet overwritten).
-  Returns [T, Hq, Dh] float32.
-  """
+def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale):
+  """The reference on a layer stack [L, R, Hkv, Dh] (scales [L, R, Hkv]) at layer `layer` (int32)."""
   T, Hq, Dh = q_THD.shape
-  R, Hkv, _ = k_ring.shape
+  _, R, Hkv, _ = k_ring.shape
   G = Hq // Hkv
   q = q_THD.astype(jnp.float32).reshape(T, Hkv, G, Dh) * scale
   oldest = jnp.maximum(length - R, 0)
@@ -46,7 +53,7 @@ def ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length,
   def body(b, carry):
     m, l, acc = carry
     start = b * block
-    k, v = _load_block(k_ring, v_ring, k_scale, v_scale, start % R, block)
+    k, v = _load_block(k_ring, v_ring, k_scale, v_scale, layer, start % R, block)
     s = jnp.einsum("tkgd,skd->tkgs", q, k)              # [T, Hkv, G, block]
     kpos = start + jnp.arange(block, dtype=jnp.int32)
     ok = (kpos[None, :] <= q_pos_T[:, None]) & (kpos[None, :] >= oldest)   # [T, block]
@@ -66,6 +73,82 @@ def ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length,
   return out.reshape(T, Hq, Dh)
 
 
-def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float):
-  """Dispatcher (the Pallas decode kernel plugs in here)."""
-  return ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, block=block, scale=scale)
+def _stack(k_ring, v_ring, k_scale, v_scale, layer):
+  """One layer [R, Hkv, Dh] (layer None) as a stack of one; a stack [L, R, Hkv, Dh] as is."""
+  if layer is not None:
+    return k_ring, v_ring, k_scale, v_scale, jnp.asarray(layer, jnp.int32)
+  if k_scale is not None:
+    k_scale, v_scale = k_scale[None], v_scale[None]
+  return k_ring[None], v_ring[None], k_scale, v_scale, jnp.zeros((), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale"))
+def ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float):
+  """softmax(q k^T * scale) v over live, causal keys.
+
+  q_THD: [T, Hq, Dh] (after RoPE); k_ring/v_ring: [R, Hkv, Dh] (one layer, new rows already written);
+  k_scale/v_scale: [R, Hkv] or None; q_pos_T: [T] absolute positions; length: positions written (int32).
+  Key position p is visible to a query at q if p <= q and p >= length - R (not yet overwritten).
+  Returns [T, Hq, Dh] float32.
+  """
+  k_ring, v_ring, k_scale, v_scale, layer = _stack(k_ring, v_ring, k_scale, v_scale, None)
+  return _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale", "q_chunk"))
+def ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
+                               block: int, scale: float, q_chunk: int = PREFILL_Q_CHUNK):
+  """The reference for prefill: queries in chunks of `q_chunk` (lax.map), each chunk visiting blocks only up
+  to its own last position (causal: about half the blocks of one pass), with [q_chunk, Hq, block] scores
+  live at a time instead of [T, Hq, block]. Rings one layer (layer None) or a stack with `layer`.
+  Chunking depends on T alone, so capacity invariance holds as for the reference."""
+  k_ring, v_ring, k_scale, v_scale, layer = _stack(k_ring, v_ring, k_scale, v_scale, layer)
+  length = jnp.asarray(length, jnp.int32)
+  q_pos_T = jnp.asarray(q_pos_T, jnp.int32)
+  T, Hq, Dh = q_THD.shape
+  if T <= q_chunk:
+    return _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale)
+  n = -(-T // q_chunk)
+  pad = n * q_chunk - T
+  q = jnp.pad(q_THD, ((0, pad), (0, 0), (0, 0))).reshape(n, q_chunk, Hq, Dh)
+  pos = jnp.concatenate([q_pos_T, jnp.broadcast_to(q_pos_T[-1], (pad,))]).reshape(n, q_chunk)
+  out = jax.lax.map(lambda qp: _ref_core(qp[0], k_ring, v_ring, k_scale, v_scale, qp[1], length, layer, block,
+                                         scale), (q, pos))
+  return out.reshape(n * q_chunk, Hq, Dh)[:T]
+
+
+def default_impl(T: int) -> str:
+  """"pallas" on a GPU backend (CUDA or ROCm) for decode/verify (T <= MAX_T), else "ref". Read at trace time."""
+  if jax.default_backend() in ("gpu", "cuda", "rocm") and T <= attention_pallas.MAX_T:
+    return DEFAULT_GPU_IMPL
+  return "ref"
+
+
+def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
+                   impl: str | None = None, layer=None):
+  """Dispatcher: the Pallas decode kernel (ops/attention_pallas.py) or the jnp reference.
+
+  impl (static): "ref" | "pallas" | "interpret" (the kernel in Pallas interpret mode, CPU tests) | None
+  (default_impl: pallas on GPU for T <= MAX_T, ref elsewhere). Prefill (T > MAX_T) always takes the
+  reference, chunked over queries. Rings are one layer [R, Hkv, Dh] (layer None) or the whole stack
+  [L, R, Hkv, Dh] with `layer` (int or int32 scalar): pass the stack, since slicing `ring.k[L]` outside
+  makes XLA copy the whole layer (R-proportional bytes) before a custom call or a loop.
+  Under the default impl, shapes the kernel does not take (see attention_pallas.supported) fall back to the
+  reference; an explicit "pallas"/"interpret" raises instead.
+  """
+  T, Hq, Dh = q_THD.shape
+  chosen = impl or default_impl(T)
+  if chosen not in IMPLS:
+    raise ValueError(f"ring_attention: impl {impl!r}, expected one of {IMPLS}")
+  if chosen != "ref" and T <= attention_pallas.MAX_T:
+    why = attention_pallas.supported(T, Hq, k_ring.shape[-2], Dh, block, k_ring)
+    if why is None:
+      return attention_pallas.ring_attention_pallas(
+          q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
+          interpret=chosen == "interpret")
+    if impl is not None:
+      raise ValueError(f"ring_attention: impl={impl!r} cannot take this call: {why}")
+  if layer is None and T <= PREFILL_Q_CHUNK:
+    return ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, block=block, scale=scale)
+  return ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,
+                                    scale=scale)

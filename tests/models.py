@@ -16,7 +16,19 @@ CFGS = {"qwen3moe": TINY_QWEN3MOE, "glm4moe": TINY_GLM4MOE, "qwen2moe": TINY_QWE
 # llama.cpp's quantizer mixes (what `llama-quantize` writes for these file types).
 MIXES = ("Q8_0", "Q4_K_M", "Q6_K", "IQ3_S")
 
-_ROOT = os.environ.get("MOEJAX_TEST_MODELS") or os.path.join(tempfile.gettempdir(), f"moejax-test-models-{os.getuid()}")
+def _code_hash() -> str:
+  """Files are keyed by the code that writes them, so a changed writer never reuses stale files."""
+  import hashlib
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  h = hashlib.sha256()
+  for rel in ("model/writer.py", "configs/presets.py", "configs/vocab.py", "configs/data/vocab_1024.json"):
+    with open(os.path.join(here, rel), "rb") as f:
+      h.update(f.read())
+  return h.hexdigest()[:10]
+
+
+_ROOT = os.environ.get("MOEJAX_TEST_MODELS") or os.path.join(
+    tempfile.gettempdir(), f"moejax-test-models-{os.getuid()}-{_code_hash()}")
 
 
 def model_path(arch: str, kind: str) -> str:

@@ -1,0 +1,241 @@
+"""Decode attention over the KV ring: a split-K (flash-decoding) Pallas kernel, Triton lowering.
+
+For T = 1..MAX_T new queries (a plain decode step, or the verify pass of k+1 drafts) against one layer of the
+ring `[L, R, Hkv, Dh]` (f32 | bf16 | int8 with absmax scales `[L, R, Hkv]`); same semantics as
+ops/attention.py::ring_attention_ref.
+
+Tiling.
+  rows    all G = Hq/Hkv query heads of one kv head times the T queries, row r = t*G + g, padded to
+          P = max(16, next_pow2(T*G)) rows (tl.dot needs M >= 16); padded rows get position -1 (all masked).
+  tiles   key *position* tiles of `bk` tokens (bk divides the ring's `block`, so bk divides R and a tile
+          never straddles the wrap): tile i holds positions [i*bk, (i+1)*bk) in the contiguous slots from
+          (i*bk) mod R. Live tiles run from oldest//bk to max(q_pos)//bk, oldest = max(length - R, 0):
+          only live tiles are ever read, and at depths below R the range is [0, max(q_pos)//bk], the
+          same for every capacity.
+  grid    (Hkv, S) programs, S = max_splits(Hkv) a static constant (never a function of R). Program (h, s)
+          runs an online softmax (float32) over its `tiles_per_split` live tiles and writes an unnormalised
+          partial (acc [P, Dh], running max m [P], sum l [P]); `split_schedule(n_live_tiles, S)` gives the
+          number of busy splits and tiles per split from the live tile count alone. Idle programs write
+          (0, -inf, 0). A jnp log-sum-exp over the static S axis merges the partials.
+  loads   per tile: K, V [bk, Dh] of head h (strided by Hkv*Dh in the ring), converted to float32 in
+          registers; int8 rows are multiplied by their scale [bk] there (never dequantized in memory).
+  dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh], float32 inputs (IEEE on Triton).
+
+The whole layer stack goes in with the layer index as an int32 input (`layer=`): slicing `ring.k[L]` outside
+makes XLA copy the layer (R-proportional bytes) before the custom call. Per-row arithmetic depends on
+positions only, and the schedule on the live tile count only, so rings of any capacity give bitwise-equal
+outputs at depths they both hold (DESIGN invariants 1 and 2).
+
+Triton caveat (jax 0.11.2): the lowering computes element offsets in int32 unless an array exceeds 2**32
+bytes; an int8 ring of 2**31..2**32 elements (e.g. 48 layers x 128K x 4 x 128) would overflow, so
+`supported()` refuses it and the dispatcher falls back to the reference.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG_INF = -1e30          # as the reference: finite, so exp(NEG_INF - NEG_INF) = 1 never makes a NaN
+MAX_T = 8                # queries per call the kernel takes (decode, verify of up to 7 drafts); more -> reference
+TARGET_PROGRAMS = 128    # ~ one wave of programs on an H200 (132 SMs): S = TARGET_PROGRAMS / Hkv splits
+MAX_SPLITS = 64
+MIN_TILES_PER_SPLIT = 1
+
+# head_dim -> (bk key tile, num_warps, num_stages). bk is further capped by the ring's block.
+TUNING = {
+    64: (128, 4, 2),
+    128: (64, 4, 2),
+    256: (32, 4, 2),
+}
+DEFAULT_TUNING = (64, 4, 2)
+
+
+def tuning(head_dim: int, block: int) -> tuple[int, int, int]:
+  bk, warps, stages = TUNING.get(head_dim, DEFAULT_TUNING)
+  return min(bk, block), warps, stages
+
+
+def max_splits(n_kv_heads: int) -> int:
+  """Static number of split programs per kv head: a power of two, from the head count only."""
+  s = max(1, TARGET_PROGRAMS // n_kv_heads)
+  return min(MAX_SPLITS, 1 << (s.bit_length() - 1))
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def rows_padded(T: int, G: int) -> int:
+  return max(16, 1 << max(0, (T * G - 1).bit_length()))
+
+
+def supported(T: int, n_heads: int, n_kv_heads: int, head_dim: int, block: int, k_ring) -> str | None:
+  """None when the kernel takes this call, else the reason it does not."""
+  if T > MAX_T:
+    return f"T={T} > MAX_T={MAX_T} (prefill stays on the reference)"
+  if n_heads % n_kv_heads:
+    return f"Hq={n_heads} not a multiple of Hkv={n_kv_heads}"
+  if not (_is_pow2(head_dim) and head_dim >= 16):
+    return f"head_dim={head_dim} is not a power of two >= 16"
+  if not (_is_pow2(block) and block >= 16):
+    return f"block={block} is not a power of two >= 16"
+  n = math.prod(k_ring.shape)
+  itemsize = jnp.dtype(k_ring.dtype).itemsize
+  if n >= 2**31 and n * itemsize <= 2**32:
+    return f"ring of {n} elements x {itemsize} B overflows the Triton lowering's int32 offsets"
+  return None
+
+
+def live_tiles(length, q_pos_max, capacity: int, tile: int):
+  """(first live tile, number of live tiles): tiles that hold a position in [max(length - R, 0), q_pos_max].
+
+  Below the capacity (length <= R) this is (0, q_pos_max // tile + 1): independent of R."""
+  oldest = jnp.maximum(jnp.asarray(length, jnp.int32) - capacity, 0)
+  first = oldest // tile
+  return first, jnp.asarray(q_pos_max, jnp.int32) // tile - first + 1
+
+
+def split_schedule(n_tiles, n_splits_max: int, min_tiles: int = MIN_TILES_PER_SPLIT):
+  """(busy splits, tiles per split) for `n_tiles` live tiles: a function of the live tile count alone.
+
+  tiles_per_split = max(ceil(n_tiles / n_splits_max), min_tiles); busy = ceil(n_tiles / tiles_per_split),
+  so no busy split is empty and busy <= n_splits_max. Works on Python ints and traced int32 scalars."""
+  n = jnp.maximum(jnp.asarray(n_tiles, jnp.int32), 1)
+  tps = jnp.maximum((n + n_splits_max - 1) // n_splits_max, min_tiles)
+  return (n + tps - 1) // tps, tps
+
+
+def _dot(a, b, b_contract: int):
+  """2-D float32 dot contracting a's last axis with b's axis `b_contract` (IEEE float32 on Triton)."""
+  return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+
+
+def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
+            count_visits: bool):
+  """Program (h, s): online softmax of q rows of kv head h over its range of live tiles."""
+  if quant:
+    ks_ref, vs_ref, *refs = refs
+  o_ref, m_ref, l_ref, *cnt_ref = refs
+  h = pl.program_id(0)
+  s = pl.program_id(1)
+  layer = meta_ref[0]
+  first = meta_ref[1]
+  end = first + meta_ref[2]          # one past the last live tile
+  tps = meta_ref[3]
+  oldest = meta_ref[4]
+  t0 = first + s * tps
+  t1 = jnp.minimum(t0 + tps, end)
+
+  q = q_ref[...].astype(jnp.float32)                 # [P, Dh], pre-scaled
+  rowpos = rowpos_ref[...]                           # [P] int32, -1 on padded rows
+  P, Dh = q.shape
+  n_slot_tiles = capacity // bk
+
+  def body(i, carry):
+    m, l, acc = carry
+    pos0 = i * bk
+    slot0 = pl.multiple_of(lax.rem(i, n_slot_tiles) * bk, bk)
+    k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(jnp.float32)       # [bk, Dh]
+    v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(jnp.float32)
+    if quant:
+      k = k * ks_ref[layer, pl.ds(slot0, bk), h][:, None]
+      v = v * vs_ref[layer, pl.ds(slot0, bk), h][:, None]
+    sc = _dot(q, k, 1)                                                     # [P, bk] = q k^T
+    kpos = pos0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    ok = (kpos <= rowpos[:, None]) & (kpos >= oldest)                     # [P, bk]
+    sc = jnp.where(ok, sc, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    p = jnp.exp(sc - m_new[:, None])
+    p = jnp.where(ok, p, 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[:, None] + _dot(p, v, 0)
+    return m_new, l, acc
+
+  init = (jnp.full((P,), NEG_INF, jnp.float32), jnp.zeros((P,), jnp.float32), jnp.zeros((P, Dh), jnp.float32))
+  m, l, acc = lax.fori_loop(t0, t1, body, init)
+  o_ref[...] = acc
+  m_ref[...] = m
+  l_ref[...] = l
+  if count_visits:
+    cnt_ref[0][...] = jnp.full((P,), jnp.maximum(t1 - t0, 0), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bk", "n_splits", "count_visits"))
+def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
+                          block: int, scale: float, interpret: bool = False, bk: int | None = None,
+                          n_splits: int | None = None, count_visits: bool = False):
+  """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref. Returns [T, Hq, Dh] float32.
+
+  k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
+  k_scale/v_scale: [(L,) R, Hkv] or None. bk, n_splits override the tuning table (tests).
+  With count_visits, also returns the number of tiles each program visited, [Hkv, S] int32.
+  """
+  if layer is None:
+    k_ring, v_ring = k_ring[None], v_ring[None]
+    if k_scale is not None:
+      k_scale, v_scale = k_scale[None], v_scale[None]
+    layer = 0
+  T, Hq, Dh = q_THD.shape
+  _, R, Hkv, _ = k_ring.shape
+  G = Hq // Hkv
+  tile, warps, stages = tuning(Dh, block)
+  bk = bk or tile
+  if block % bk or R % block:
+    raise ValueError(f"ring_attention_pallas: need bk={bk} | block={block} | R={R}")
+  S = n_splits or max_splits(Hkv)
+  P = rows_padded(T, G)
+  quant = k_scale is not None
+
+  length = jnp.asarray(length, jnp.int32)
+  q_pos_T = jnp.asarray(q_pos_T, jnp.int32)
+  first, n_tiles = live_tiles(length, jnp.max(q_pos_T), R, bk)
+  _, tps = split_schedule(n_tiles, S)
+  oldest = jnp.maximum(length - R, 0)
+  meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, n_tiles, tps, oldest, 0, 0, 0]).astype(jnp.int32)
+
+  q = (q_THD.astype(jnp.float32) * scale).reshape(T, Hkv, G, Dh).transpose(1, 0, 2, 3).reshape(Hkv, T * G, Dh)
+  q = jnp.pad(q, ((0, 0), (0, P - T * G), (0, 0)))
+  rowpos = jnp.pad(jnp.repeat(q_pos_T, G), (0, P - T * G), constant_values=-1)
+
+  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s: (0,) * x.ndim)
+  in_specs = [whole(meta), whole(rowpos), pl.BlockSpec((None, P, Dh), lambda h, s: (h, 0, 0)),
+              whole(k_ring), whole(v_ring)]
+  args = [meta, rowpos, q, k_ring, v_ring]
+  if quant:
+    in_specs += [whole(k_scale), whole(v_scale)]
+    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct((Hkv, S, P, Dh), jnp.float32),
+               jax.ShapeDtypeStruct((Hkv, S, P), jnp.float32),
+               jax.ShapeDtypeStruct((Hkv, S, P), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, None, P, Dh), lambda h, s: (h, s, 0, 0)),
+               pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)),
+               pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0))]
+  if count_visits:
+    out_shape.append(jax.ShapeDtypeStruct((Hkv, S, P), jnp.int32))
+    out_specs.append(pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)))
+  kernel = functools.partial(_kernel, bk=bk, capacity=R, quant=quant, count_visits=count_visits)
+  outs = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=in_specs, out_specs=out_specs,
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+      interpret=interpret, name="ring_decode_attention")(*args)
+  o, m, l = outs[:3]
+  o, m, l = o[:, :, :T * G], m[:, :, :T * G], l[:, :, :T * G]
+
+  # Log-sum-exp merge over the static split axis.
+  m_all = jnp.max(m, axis=1, keepdims=True)                    # [Hkv, 1, TG]
+  w = jnp.exp(m - m_all)                                       # [Hkv, S, TG]
+  l_all = jnp.sum(w * l, axis=1)                               # [Hkv, TG]
+  acc = jnp.sum(w[..., None] * o, axis=1)                      # [Hkv, TG, Dh]
+  out = acc / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+  out = out.reshape(Hkv, T, G, Dh).transpose(1, 0, 2, 3).reshape(T, Hq, Dh)
+  if count_visits:
+    return out, outs[3][:, :, 0]
+  return out

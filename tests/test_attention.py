@@ -1,0 +1,210 @@
+"""Decode attention over the KV ring: the Pallas kernel (interpret mode on CPU) against the jnp reference.
+
+- kernel == reference within float32 tolerance: f32 / bf16 / int8 rings, T in {1, 3}, GQA 1 and 4, wrapped rings;
+- capacity invariance (DESIGN 1): bitwise-equal outputs for R in {1536, 2048, 4096} (block 256) at depth 1000,
+  for the kernel, the reference and the chunked prefill reference;
+- work follows live length (DESIGN 2): the split schedule and the tiles each program visits depend on the
+  live length alone; tiles outside the live range are never read (NaN-poisoned, output stays finite);
+- dispatch (ref on CPU, kernel for T <= MAX_T, prefill on the chunked reference, refusals);
+- the kernel lowers for an abstract CUDA and ROCm device (Triton), which interpret mode does not check.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+from decode.kv_ring import KVRing
+from ops import attention, attention_pallas
+from ops.attention import ring_attention, ring_attention_ref, ring_attention_ref_chunked
+from ops.attention_pallas import ring_attention_pallas, split_schedule, live_tiles
+
+DH = 16
+SCALE = DH ** -0.5
+
+
+def _ring(R: int, depth: int, dtype: str, hkv: int, layers: int = 1, seed: int = 0, block: int = 16) -> KVRing:
+  """A ring holding positions [0, depth) written in order (row p a function of p and the seed only)."""
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((layers, depth, hkv, DH)).astype(np.float32)
+  v = rng.standard_normal((layers, depth, hkv, DH)).astype(np.float32)
+  ring = KVRing.create(layers, R, hkv, DH, dtype, block=block)
+  for start in range(0, depth, R):                 # one scatter per lap: no slot written twice in one call
+    pos = jnp.arange(start, min(start + R, depth), dtype=jnp.int32)
+    for layer in range(layers):
+      ring = ring.write(layer, pos, jnp.asarray(k[layer, start:start + R]), jnp.asarray(v[layer, start:start + R]))
+  return ring.advance(depth)
+
+
+def _layer(ring: KVRing, i: int = 0):
+  sc = (None, None) if ring.k_scale is None else (ring.k_scale[i], ring.v_scale[i])
+  return ring.k[i], ring.v[i], *sc
+
+
+def _q(T: int, hq: int, seed: int = 1):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((T, hq, DH)), jnp.float32)
+
+
+def _pos(T: int, length: int):
+  return jnp.arange(length - T, length, dtype=jnp.int32)
+
+
+# (T, G, R, depth): T in {1, 3}, GQA 1 and 4, rings within capacity and wrapped (depth > R).
+CASES = [(1, 1, 128, 100), (3, 4, 128, 300), (1, 4, 64, 200), (3, 1, 256, 256)]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("T,G,R,depth", CASES)
+def test_kernel_matches_reference(dtype, T, G, R, depth):
+  hkv = 2
+  ring = _ring(R, depth, dtype, hkv)
+  q, pos = _q(T, hkv * G), _pos(T, depth)
+  ref = ring_attention_ref(q, *_layer(ring), pos, depth, block=32, scale=SCALE)
+  out = ring_attention_pallas(q, *_layer(ring), pos, depth, block=32, scale=SCALE, interpret=True, bk=16)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
+
+
+def test_layer_stack_equals_one_layer():
+  """The whole stack with a traced layer index gives the one-layer result bitwise (no layer copy needed)."""
+  ring = _ring(128, 150, "int8", 2, layers=3)
+  q, pos = _q(2, 8), _pos(2, 150)
+  for impl in ("ref", "interpret"):
+    one = ring_attention(q, *_layer(ring, 1), pos, 150, block=32, scale=SCALE, impl=impl)
+    f = jax.jit(functools.partial(ring_attention, block=32, scale=SCALE, impl=impl))
+    stack = f(q, ring.k, ring.v, ring.k_scale, ring.v_scale, pos, 150, layer=jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(stack), np.asarray(one))
+
+
+CAPACITIES = (1536, 2048, 4096)
+DEPTH = 1000
+SPLITS = 4      # few splits, so that a schedule sized from R (24, 32, 64 tiles of 64) would split differently
+
+
+@functools.lru_cache(maxsize=None)
+def _capacity_rings(dtype: str):
+  return {R: _ring(R, DEPTH, dtype, 1, block=256) for R in CAPACITIES}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("impl", ["kernel", "ref", "ref_chunked"])
+def test_capacity_invariance_bitwise(dtype, impl):
+  T = 3
+  q, pos = _q(T, 4), _pos(T, DEPTH)
+  fn = {
+      "kernel": functools.partial(ring_attention_pallas, interpret=True, n_splits=SPLITS),
+      "ref": ring_attention_ref,
+      "ref_chunked": functools.partial(ring_attention_ref_chunked, q_chunk=2),
+  }[impl]
+  outs = {R: np.asarray(fn(q, *_layer(ring), pos, DEPTH, block=256, scale=SCALE))
+          for R, ring in _capacity_rings(dtype).items()}
+  for R in CAPACITIES[1:]:
+    np.testing.assert_array_equal(outs[R], outs[CAPACITIES[0]], err_msg=f"{impl} {dtype}: R={R} vs {CAPACITIES[0]}")
+
+
+def test_split_schedule_follows_live_length():
+  S = attention_pallas.max_splits(4)
+  for n in range(1, 3000, 7):
+    busy, tps = (int(x) for x in split_schedule(n, S))
+    assert 1 <= busy <= S and busy * tps >= n and (busy - 1) * tps < n, (n, busy, tps)
+  # The live range below capacity, and so the schedule, is the same for every R.
+  for bk in (64, 256):
+    got = {R: tuple(int(x) for x in live_tiles(DEPTH, DEPTH - 1, R, bk)) for R in CAPACITIES + (49152, 131072)}
+    assert len(set(got.values())) == 1 and got[4096] == (0, (DEPTH - 1) // bk + 1), got
+  # ... and the schedule grows with depth, not capacity: deeper means more tiles, never fewer.
+  prev = 0
+  for depth in (1000, 8000, 32000, 128000):
+    _, n = live_tiles(depth, depth - 1, 1 << 20, 64)
+    busy, tps = split_schedule(n, S)
+    assert int(n) > prev and int(busy) * int(tps) >= int(n)
+    prev = int(n)
+
+
+def test_tiles_visited_independent_of_capacity():
+  """The kernel's own count of tiles per program: same for every R, summing to the live tile count."""
+  q, pos = _q(1, 4), _pos(1, DEPTH)
+  counts = {}
+  for R, ring in _capacity_rings("bf16").items():
+    _, cnt = ring_attention_pallas(q, *_layer(ring), pos, DEPTH, block=256, scale=SCALE, interpret=True,
+                                   n_splits=SPLITS, count_visits=True)
+    counts[R] = np.asarray(cnt)
+  bk = attention_pallas.tuning(DH, 256)[0]
+  for R in CAPACITIES:
+    np.testing.assert_array_equal(counts[R], counts[CAPACITIES[0]])
+    assert counts[R].sum() == (DEPTH - 1) // bk + 1 and counts[R].max() == -(-((DEPTH - 1) // bk + 1) // SPLITS)
+  # A wrapped ring visits its live tiles only: about R / bk of them, from the oldest live tile.
+  ring = _ring(128, 300, "f32", 1)
+  _, cnt = ring_attention_pallas(q, *_layer(ring), _pos(1, 300), 300, block=32, scale=SCALE, interpret=True,
+                                 bk=16, count_visits=True)
+  assert int(np.asarray(cnt).sum()) == 299 // 16 - (300 - 128) // 16 + 1
+
+
+@pytest.mark.parametrize("impl", ["ref", "interpret"])
+def test_reads_only_live_blocks(impl):
+  """NaN in every slot past the last live tile must never reach the output: those tiles are not read.
+  (In a wrapped ring every slot is live; there the visit counts above show the range.)"""
+  R, depth, T = 256, 100, 2
+  ring = _ring(R, depth, "f32", 2)
+  nan = jnp.full_like(ring.v[0, 128:], jnp.nan)
+  k, v = ring.k[0].at[128:].set(nan), ring.v[0].at[128:].set(nan)          # slots 128.. are positions 128..
+  q, pos = _q(T, 4), _pos(T, depth)
+  out = ring_attention(q, k, v, None, None, pos, depth, block=32, scale=SCALE, impl=impl)
+  assert np.isfinite(np.asarray(out)).all()
+
+
+def test_dispatch():
+  ring = _ring(128, 100, "bf16", 2)
+  q, pos = _q(1, 8), _pos(1, 100)
+  assert jax.default_backend() == "cpu" and attention.default_impl(1) == "ref"
+  ref = ring_attention_ref(q, *_layer(ring), pos, 100, block=32, scale=SCALE)
+  np.testing.assert_array_equal(np.asarray(ring_attention(q, *_layer(ring), pos, 100, block=32, scale=SCALE)),
+                                np.asarray(ref))
+  out = ring_attention(q, *_layer(ring), pos, 100, block=32, scale=SCALE, impl="interpret")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
+  # prefill (T > MAX_T) goes to the chunked reference whatever impl says
+  T = attention_pallas.MAX_T + 4
+  qp, pp = _q(T, 8), _pos(T, 100)
+  a = ring_attention(qp, *_layer(ring), pp, 100, block=32, scale=SCALE, impl="interpret")
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(ring_attention_ref(qp, *_layer(ring), pp, 100, block=32,
+                                                                             scale=SCALE)))
+  with pytest.raises(ValueError, match="impl"):
+    ring_attention(q, *_layer(ring), pos, 100, block=32, scale=SCALE, impl="xla")
+  with pytest.raises(ValueError, match="block=48"):
+    ring_attention(q, *_layer(ring), pos, 100, block=48, scale=SCALE, impl="pallas")
+  # int8 stacks of 2**31..2**32 elements would overflow Triton's int32 offsets: refused (default falls back)
+  big = jax.ShapeDtypeStruct((48, 131072, 4, 128), jnp.int8)
+  assert "int32 offsets" in attention_pallas.supported(1, 32, 4, 128, 256, big)
+  assert attention_pallas.supported(1, 32, 4, 128, 256, jax.ShapeDtypeStruct(big.shape, jnp.bfloat16)) is None
+
+
+def test_prefill_chunked_matches_reference():
+  ring = _ring(128, 90, "int8", 2)
+  T = 40
+  q, pos = _q(T, 8), _pos(T, 90)
+  ref = ring_attention_ref(q, *_layer(ring), pos, 90, block=32, scale=SCALE)
+  out = ring_attention_ref_chunked(q, *_layer(ring), pos, 90, block=32, scale=SCALE, q_chunk=16)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform,kind", [("cuda", "NVIDIA H200"), ("rocm", "gfx942")])
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_kernel_lowers_for_gpu(platform, kind, dtype):
+  """Trace and lower the Triton kernel for an abstract GPU (the Qwen3-30B-A3B attention shape, T = 1 and 8)."""
+  L, R, hkv, G, dh = 4, 4096, 4, 8, 128
+  st = {"bf16": jnp.bfloat16, "int8": jnp.int8}[dtype]
+  S = jax.ShapeDtypeStruct
+  sc = S((L, R, hkv), jnp.float32) if dtype == "int8" else None
+  mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                      abstract_device=AbstractDevice(device_kind=kind, num_cores=None, platform=platform))
+  for T in (1, 8):
+    f = jax.jit(functools.partial(ring_attention_pallas, block=256, scale=dh ** -0.5))
+    args = (S((T, hkv * G, dh), jnp.float32), S((L, R, hkv, dh), st), S((L, R, hkv, dh), st), sc, sc,
+            S((T,), jnp.int32), S((), jnp.int32), S((), jnp.int32))
+    with use_abstract_mesh(mesh):
+      text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "ring_decode_attention" in text
