@@ -37,6 +37,8 @@ class GenConfig:
   kv_resident: int | None = None      # main ring capacity R (None: smallest power of two >= the request, from 1024)
   max_context: int | None = None      # longest prompt + generation accepted (None: the ring's capacity)
   stop_at_eos: bool = True
+  expert_slots: int | None = None     # expert cache device slots (None: every expert resident)
+  expert_policy: str = "lru"
 
 
 @dataclasses.dataclass
@@ -71,6 +73,23 @@ def decode_loop(params, ls: LoopState, n_max, eos_id, *, cfg: ModelConfig, tempe
     return LoopState(model, s.out.at[s.n].set(nxt), s.n + 1, nxt, key, s.done | (nxt == eos_id))
 
   return jax.lax.while_loop(cond, body, ls)
+
+
+def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, scratch: int = 0) -> api.ModelState:
+  """The request's state: rings and, with gen.expert_slots, an empty expert cache."""
+  state = api.init_state(model.cfg, cap, gen.kv, mtp_window=mtp_window, scratch=scratch)
+  if gen.expert_slots:
+    from decode import expert_cache
+    state = state.replace(experts=expert_cache.create(model.params, model.cfg, gen.expert_slots, gen.expert_policy))
+  return state
+
+
+def cache_stats(state: api.ModelState, n_tokens: int) -> dict | None:
+  if state.experts is None:
+    return None
+  st = state.experts.stats()
+  st["per_token"] = {k: sum(st[k]) / max(n_tokens, 1) for k in ("hits", "misses", "bytes_moved")}
+  return st
 
 
 def ring_capacity(need: int, requested: int | None) -> int:
@@ -111,7 +130,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   grow = gen.kv_resident is None
   if not grow and max_ctx > cap:
     raise RequestError(f"max_context {max_ctx} exceeds kv_resident {cap}: the host tier is not built yet")
-  state = api.init_state(cfg, cap, gen.kv)
+  state = init_state(model, cap, gen)
   t0 = time.perf_counter()
   logits, _, state = api.prefill(params, jnp.asarray(prompt, jnp.int32), state, cfg=cfg, last_only=True)
   key = jax.random.PRNGKey(gen.seed)
@@ -152,8 +171,9 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     count = int(ls.n)
     dt = time.perf_counter() - t1
     ids = [int(i) for i in np.asarray(ls.out)[:count]]
+    state = ls.model
   stats = {"prompt_tokens": len(prompt), "generated_tokens": len(ids), "ttft_s": ttft,
            "decode_s": dt, "decode_tok_s": (len(ids) - 1) / dt if dt > 0 and len(ids) > 1 else 0.0,
            "kv": gen.kv, "kv_resident": cap, "eager": eager,
-           "ring_buckets": [cap] if eager else buckets}
+           "ring_buckets": [cap] if eager else buckets, "expert_cache": cache_stats(state, len(ids))}
   return GenResult(prompt, ids, tok.decode(ids), stats)

@@ -74,9 +74,20 @@ def _block_ffn(params: dict, cfg: ModelConfig, i: int) -> dict:
   return params[f"blk_{i}"]["ffn"] if i < cfg.n_layers else params[f"mtp_{i - cfg.n_layers}"]["blk"]["ffn"]
 
 
+def _planes(w) -> tuple:
+  """A packed QTensor's planes, or a dense expert array as a single plane."""
+  return w.planes if isinstance(w, QTensor) else (w,)
+
+
+def _rebuild(w, planes: tuple):
+  return w.replace(planes=planes) if isinstance(w, QTensor) else planes[0]
+
+
 def _signature(ffn: dict) -> tuple:
-  return tuple((ffn[n].qtype, ffn[n].n, tuple((p.shape[1:], str(p.dtype)) for p in ffn[n].planes))
-               for n in ("gate_exps", "up_exps", "down_exps"))
+  def sig(w):
+    head = (w.qtype, w.n) if isinstance(w, QTensor) else ("dense", w.shape[-1])
+    return head + (tuple((p.shape[1:], str(p.dtype)) for p in _planes(w)),)
+  return tuple(sig(ffn[n]) for n in ("gate_exps", "up_exps", "down_exps"))
 
 
 def signatures(params: dict, cfg: ModelConfig) -> tuple[list[tuple], dict[int, int]]:
@@ -84,8 +95,6 @@ def signatures(params: dict, cfg: ModelConfig) -> tuple[list[tuple], dict[int, i
   sigs, pool_of = [], {}
   for i in expert_blocks(cfg):
     ffn = _block_ffn(params, cfg, i)
-    if not isinstance(ffn["gate_exps"], QTensor):
-      raise ValueError(f"expert cache: block {i}'s experts are not packed GGUF tensors")
     sig = _signature(ffn)
     if sig not in sigs:
       sigs.append(sig)
@@ -99,7 +108,8 @@ def slab_bytes(params: dict, cfg: ModelConfig) -> dict[int, int]:
   out = {}
   for i, p in pool_of.items():
     ffn = _block_ffn(params, cfg, i)
-    out[p] = sum(int(ffn[n][0].nbytes) for n in ("gate_exps", "up_exps", "down_exps"))
+    out[p] = sum(int(q[0].size * q.dtype.itemsize) for n in ("gate_exps", "up_exps", "down_exps")
+                 for q in _planes(ffn[n]))
   return out
 
 
@@ -144,7 +154,7 @@ def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: 
       old = pool.owner[v]
       ob, oe = old // n_experts, old % n_experts
       slot_of = jnp.where(old >= 0, slot_of.at[ob, oe].set(-1), slot_of)
-      put = lambda dst, src: tuple(d.at[v].set(s_[e]) for d, s_ in zip(dst, src.planes))  # noqa: E731
+      put = lambda dst, src: tuple(d.at[v].set(s_[e]) for d, s_ in zip(dst, _planes(src)))  # noqa: E731
       pool = pool.replace(gate=put(pool.gate, gate), up=put(pool.up, up), down=put(pool.down, down),
                           owner=pool.owner.at[v].set(block * n_experts + e), stamp=pool.stamp.at[v].set(0))
       return (pool, slot_of.at[block, e].set(v)), v
@@ -167,7 +177,7 @@ def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: 
 def pool_tensors(cache: ExpertCache, block: int, gate: QTensor, up: QTensor, down: QTensor):
   """The pool of `block` as QTensors indexed by slot (same qtype, n and kernel as the store's)."""
   pool = cache.pools[cache.pool_of_block[block]]
-  return gate.replace(planes=pool.gate), up.replace(planes=pool.up), down.replace(planes=pool.down)
+  return _rebuild(gate, pool.gate), _rebuild(up, pool.up), _rebuild(down, pool.down)
 
 
 @dataclasses.dataclass(frozen=True)

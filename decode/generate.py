@@ -34,7 +34,9 @@ flags.DEFINE_enum("draft", "auto", ["auto", "mtp", "lookup", "replay", "none"],
                   "greedy continuation (run first, untimed) to measure the mechanics at 100 % acceptance")
 flags.DEFINE_bool("plan", False, "print the memory plan (kv_plan) before generating")
 flags.DEFINE_string("device_budget", None, "refuse plans over this many bytes of device memory (e.g. 24GiB)")
-flags.DEFINE_string("expert_cache", "all", "all (every expert resident); auto|N (device slots) come with the expert cache")
+flags.DEFINE_string("expert_cache", "all", "all (every expert resident), auto (device slots sized from the memory "
+                    "plan) or N slots over a store in host memory")
+flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert cache eviction policy")
 flags.DEFINE_string("cache_dir", None, "orbax cache of loaded params (a second load skips GGUF parsing)")
 flags.DEFINE_bool("json", False, "print one JSON object as the last stdout line")
 flags.DEFINE_bool("eager", False, "run the decode loop eagerly (debugging)")
@@ -78,7 +80,10 @@ def run() -> dict:
     gen = GenConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                     seed=FLAGS.seed, kv=FLAGS.kv, kv_resident=kvr, max_context=FLAGS.max_context)
     drafter = _drafter(model.cfg)
-    plan = _plan(model, gen, len(ids), drafter)
+    plan, slots = _plan(model, gen, len(ids), drafter)
+    if slots is not None:
+      import dataclasses
+      gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
     if FLAGS.plan:
       print(plan.table(), file=sys.stderr if FLAGS.json else sys.stdout)
     if drafter == "none":
@@ -112,23 +117,21 @@ def _drafter(cfg) -> str:
 
 
 def _plan(model, gen, n_prompt: int, drafter: str):
-  import jax
-
+  """The request's memory plan (refused over budget) and the expert-cache slots it gives."""
   from decode.engine import ring_capacity
-  from decode.kv_plan import make_plan, parse_bytes
-  from ops.qtensor import QTensor
-  if FLAGS.expert_cache != "all":
-    raise CLIError(f"--expert_cache {FLAGS.expert_cache}: only 'all' is implemented so far (the expert cache is issue 6)")
-  leaves = jax.tree_util.tree_leaves_with_path(model.params, is_leaf=lambda x: isinstance(x, QTensor))
-  nbytes = lambda x: x.nbytes if isinstance(x, QTensor) else int(x.size * x.dtype.itemsize)  # noqa: E731
-  total = sum(nbytes(x) for _, x in leaves)
-  experts = sum(nbytes(x) for p, x in leaves if "_exps" in jax.tree_util.keystr(p))
+  from decode.kv_plan import GiB, device_budget, plan_request
   k = FLAGS.mtp_draft if drafter != "none" else 0
   ring = ring_capacity(n_prompt + gen.max_new_tokens + (k + 1 if k else 0), gen.kv_resident)
-  plan = make_plan(model.cfg, weight_bytes=total, expert_bytes=experts, ring=ring, kv=gen.kv,
-                   max_context=gen.max_context, mtp_window=FLAGS.mtp_window if drafter == "mtp" else None, k=k,
-                   budget=parse_bytes(FLAGS.device_budget))
-  return plan.check()
+  kw = dict(kv=gen.kv, max_context=gen.max_context, mtp_window=FLAGS.mtp_window if drafter == "mtp" else None, k=k,
+            expert_cache=FLAGS.expert_cache, budget=device_budget(FLAGS.device_budget))
+  plan, slots = plan_request(model, ring=ring, **kw)
+  if FLAGS.plan and plan.budget is not None:
+    out = sys.stderr if FLAGS.json else sys.stdout
+    line = f"{plan.free / GiB:.2f} GiB free" + (f", {slots} expert slots" if slots is not None else "")
+    bigger, s2 = plan_request(model, ring=ring + 16384, **kw)
+    print(f"plan: {line}; ring +16K ({ring} -> {ring + 16384}): {plan.free / GiB:.2f} -> {bigger.free / GiB:.2f} GiB"
+          + (f", {slots} -> {s2} slots" if slots is not None else ""), file=out)
+  return plan, slots
 
 
 def _int_flag(name: str, v: str) -> int:

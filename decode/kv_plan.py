@@ -108,3 +108,55 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
   act = prefill_chunk * 4 * (4 * cfg.d_model + 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.top_k * cfg.d_ff_expert)
   items.append(Item("workspace", act + 4 * cfg.vocab_size * (k + 1) * 4))
   return MemoryPlan(tuple(items), budget)
+
+
+def param_bytes(params) -> tuple[int, int]:
+  """(all params, routed experts) in bytes, as they sit in memory (packed QTensors counted packed)."""
+  import jax
+
+  from ops.qtensor import QTensor
+  leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, QTensor))
+  nb = lambda x: x.nbytes if isinstance(x, QTensor) else int(x.size * x.dtype.itemsize)  # noqa: E731
+  total = sum(nb(x) for _, x in leaves)
+  experts = sum(nb(x) for p, x in leaves if "_exps" in jax.tree_util.keystr(p))
+  return total, experts
+
+
+def device_budget(flag: str | None) -> int | None:
+  """--device_budget, else the accelerator's own limit (None on CPU: no limit)."""
+  if flag:
+    return parse_bytes(flag)
+  import jax
+  d = jax.devices()[0]
+  if d.platform == "cpu":
+    return None
+  try:
+    return int(d.memory_stats()["bytes_limit"])
+  except Exception:  # noqa: BLE001 - some backends report no stats
+    return None
+
+
+def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_window: int | None, k: int,
+                 expert_cache: str = "all", budget: int | None = None) -> tuple[MemoryPlan, int | None]:
+  """The plan of one request and the expert-cache slots it gives: (plan, slots or None for all resident).
+
+  expert_cache: "all" | "auto" (slots from what is free after everything else) | a number of slots."""
+  total, experts = param_bytes(model.params)
+  base = dict(weight_bytes=total, expert_bytes=experts, ring=ring, kv=kv, max_context=max_context,
+              mtp_window=mtp_window, k=k, budget=budget)
+  if expert_cache == "all":
+    return make_plan(model.cfg, **base).check(), None
+  from decode import expert_cache as xc
+  slab = max(xc.slab_bytes(model.params, model.cfg).values())
+  n_experts_total = len(xc.expert_blocks(model.cfg)) * model.cfg.n_experts
+  if expert_cache == "auto":
+    probe = make_plan(model.cfg, **base, expert_cache_bytes=0)
+    if budget is None:
+      return make_plan(model.cfg, **base).check(), None      # no budget known (CPU): everything resident
+    slots = min(n_experts_total, max(0, probe.free // slab))
+  else:
+    slots = int(expert_cache)
+  if slots < model.cfg.top_k:
+    raise PlanError(f"memory plan: {slots} expert slots < top_k {model.cfg.top_k} (budget {budget / GiB:.2f} GiB "
+                    f"leaves {max(0, (budget or 0) - make_plan(model.cfg, **base, expert_cache_bytes=0).device_bytes) / GiB:.2f} GiB for experts)")
+  return make_plan(model.cfg, **base, expert_cache_bytes=slots * slab).check(), slots

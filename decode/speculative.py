@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from decode import drafters
-from decode.engine import GenConfig, GenResult, RequestError, ring_capacity
+from decode.engine import GenConfig, GenResult, RequestError, cache_stats, init_state, ring_capacity
 from decode.sampling import sample, target_probs
 from model import api
 from model.config import ModelConfig
@@ -203,7 +203,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
     raise RequestError(f"prompt: {T} tokens + max_new_tokens {n} = {need} exceeds max_context {max_ctx}")
   if need + k + 1 > cap:
     raise RequestError(f"kv_resident {cap} holds {cap - k - 1} tokens with {k} drafts; the request needs {need}")
-  state = api.init_state(cfg, cap, gen.kv, mtp_window=mtp_window if drafter == "mtp" else None, scratch=k + 1)
+  state = init_state(model, cap, gen, mtp_window=mtp_window if drafter == "mtp" else None, scratch=k + 1)
   t0 = time.perf_counter()
   logits, hidden, state = api.prefill(params, jnp.asarray(prompt, jnp.int32), state, cfg=cfg, last_only=True)
   key = jax.random.PRNGKey(gen.seed)
@@ -212,7 +212,12 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   pend_h = jnp.zeros((k + 1, cfg.d_model), jnp.float32).at[0].set(hidden[-1])
   pend_t = jnp.zeros((k + 1,), jnp.int32).at[0].set(first)
   if drafter == "mtp" and T > 1:
-    _, _, ring = api.mtp_step(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring, cfg=cfg)
+    if state.experts is None:
+      _, _, ring = api.mtp_step(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring, cfg=cfg)
+    else:
+      _, _, ring, ex = api.mtp_forward(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring,
+                                       cfg=cfg, experts=state.experts)
+      state = state.replace(experts=ex)
     state = state.replace(mtp_ring=ring)
   first.block_until_ready()
   ttft = time.perf_counter() - t0
@@ -249,5 +254,5 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
            "drafter": drafter, "k": k, "rounds": rounds, "drafts_proposed": prop, "drafts_accepted": accd,
            "acceptance": (sum(accd) / sum(prop)) if sum(prop) else 0.0,
            "mean_accepted_len": (sum(accd) / rounds) if rounds else 0.0,
-           "mtp_window": mtp_window if drafter == "mtp" else None}
+           "mtp_window": mtp_window if drafter == "mtp" else None, "expert_cache": cache_stats(s.model, got)}
   return GenResult(prompt, ids, tok.decode(ids), stats)

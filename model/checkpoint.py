@@ -18,7 +18,7 @@ import numpy as np
 from model.config import ModelConfig
 from ops.qtensor import QTensor
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: QTensors stored as per-field planes (ops/repack)
 _SEP = "/"
 
 
@@ -55,9 +55,10 @@ def save(directory: str, cfg: ModelConfig, params: dict, tokenizer_md: dict) -> 
   flat = _flatten(params)
   arrays, packing = {}, {}
   for k, v in flat.items():
-    if isinstance(v, QTensor):
-      arrays[k] = v.data
-      packing[k] = {"qtype": v.qtype, "n": v.n}
+    if isinstance(v, QTensor):  # one array per plane: "<key>@<plane name>"
+      for name, p in zip(v.plane_names, v.planes):
+        arrays[f"{k}@{name}"] = p
+      packing[k] = {"qtype": v.qtype, "n": v.n, "planes": list(v.plane_names)}
     else:
       arrays[k] = v
   os.makedirs(directory, exist_ok=True)
@@ -83,8 +84,7 @@ def restore(directory: str):
   abstract = {k: jax.ShapeDtypeStruct(tuple(s), np.dtype(d) if d != "bfloat16" else jax.numpy.bfloat16)
               for k, (s, d) in meta["shapes"].items()}
   arrays = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
-  flat = {}
-  for k, a in arrays.items():
-    p = meta["packing"].get(k)
-    flat[k] = QTensor(a, p["qtype"], p["n"]) if p else a
+  flat = {k: a for k, a in arrays.items() if "@" not in k}
+  for k, p in meta["packing"].items():
+    flat[k] = QTensor(tuple(arrays[f"{k}@{name}"] for name in p["planes"]), p["qtype"], p["n"])
   return ModelConfig(**meta["config"]), _unflatten(flat), meta["tokenizer"]

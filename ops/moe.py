@@ -4,7 +4,9 @@
   - few tokens (T*k <= E): gather only the routed experts' packed slabs, dequantize them, dot;
   - many tokens (prefill): visit each expert once, run it on every token, weight by its combine weight
     (zero for tokens that did not pick it), so no token x expert slab is ever materialised.
-Expert ids arrive as int32 inputs. The fused Pallas kernel plugs in behind `moe`.
+Expert ids arrive as int32 inputs. `moe` dispatches on the experts' `kernel` field: "pallas" / "interpret" run
+the fused Pallas kernels of ops/moe_pallas.py (gate+up+SiLU, then down with the router-weighted sum) when they
+apply (T <= 16 tokens, kernel types, gate and up of one type), the reference otherwise.
 """
 from __future__ import annotations
 
@@ -52,4 +54,8 @@ def moe_ref(x_TD, ids_TK, w_TK, gate, up, down):
 
 
 def moe(x_TD, ids_TK, w_TK, gate, up, down):
+  if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kernel in ("pallas", "interpret"):
+    from ops import moe_pallas
+    if moe_pallas.supported(x_TD, ids_TK, gate, up, down):
+      return moe_pallas.moe_pallas(x_TD, ids_TK, w_TK, gate, up, down, interpret=gate.kernel == "interpret")
   return moe_ref(x_TD, ids_TK, w_TK, gate, up, down)

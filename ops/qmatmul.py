@@ -1,9 +1,14 @@
 """Quantized matmul `x[..., K] @ W[N, K]^T -> [..., N]` with W a packed QTensor.
 
 `qmatmul_ref` is the reference: dequantize (bit-exact, ops/quant) then a float32 dot. The Pallas kernel that
-reads the packed blocks in place comes in ops/qmatmul_pallas.py; `qmatmul` dispatches.
+reads the packed planes in place is ops/qmatmul_pallas.py. `qmatmul` dispatches on `w.kernel`: "xla" is the
+reference; "pallas" (compiled, Triton lowering) and "interpret" (the same kernel in interpret mode, for CPU
+tests) run the kernel wherever it applies (a type in KERNEL_TYPES, 2-D weight, at most MAX_B rows of x) and
+the reference elsewhere (prefill of long prompts, Q5_0/Q5_1 fallback rows).
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,4 +21,8 @@ def qmatmul_ref(x: jax.Array, w: QTensor) -> jax.Array:
 
 
 def qmatmul(x: jax.Array, w: QTensor) -> jax.Array:
+  if w.kernel in ("pallas", "interpret"):
+    from ops import qmatmul_pallas
+    if qmatmul_pallas.supported(w, math.prod(x.shape[:-1])):
+      return qmatmul_pallas.qmatmul_pallas(x, w, interpret=w.kernel == "interpret")
   return qmatmul_ref(x, w)

@@ -1,8 +1,11 @@
-"""`QTensor`: a GGUF tensor kept in its packed block form on the device.
+"""`QTensor`: a GGUF tensor kept packed on the device, repacked once into per-field planes.
 
-Quantized weights are never expanded to a full-precision copy that lives in the params: `data` holds the
-file's bytes, one row of `n` values per last-axis slice, and `dense()` dequantizes on the fly inside a
-jitted function (the XLA reference path). Kernels (ops/qmatmul, ops/moe) read the same bytes.
+Quantized weights are never expanded to a full-precision copy that lives in the params. At load, each GGUF
+tensor's blocks are split into per-field planes (ops/repack: d, scales, qs, qh, signs, ...), each shaped
+`[..., rows, nb, *field_shape]`, aligned and with power-of-two trailing dims, so the Pallas kernels
+(ops/qmatmul_pallas, ops/moe_pallas) read them with wide loads and dequantize in registers. The planes hold
+exactly the file's bytes (moved, not decoded): `data` gives the GGUF rows back and `dense()` dequantizes
+them bit-exactly (the XLA reference path). Leading dims (experts, rows) index as usual: `w[ids]`.
 """
 from __future__ import annotations
 
@@ -10,15 +13,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ops import quant
+from ops import quant, repack
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 @struct.dataclass
 class QTensor:
-  """Packed GGUF tensor: `data` uint8 [..., rows, row_bytes]; logical shape [..., rows, n]."""
-  data: jax.Array
+  """Packed GGUF tensor as planes (see ops/repack.LAYOUTS[qtype]); logical shape [..., rows, n]."""
+  planes: tuple
   qtype: str = struct.field(pytree_node=False)
   n: int = struct.field(pytree_node=False)        # values per row (the input dimension of a weight)
   # Which implementation multiplies with this tensor: "xla" (dequantize-then-dot reference), "pallas" (compiled
@@ -28,25 +31,40 @@ class QTensor:
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return tuple(self.data.shape[:-1]) + (self.n,)
+    return repack.lead_shape(self.planes, self.qtype) + (self.n,)
 
   @property
   def nbytes(self) -> int:
-    return int(self.data.size)
+    return int(sum(p.size * p.dtype.itemsize for p in self.planes))
+
+  @property
+  def plane_names(self) -> tuple[str, ...]:
+    return repack.plane_names(self.qtype)
+
+  def plane(self, name: str) -> jax.Array:
+    return self.planes[self.plane_names.index(name)]
+
+  @property
+  def data(self) -> jax.Array:
+    """The GGUF rows, uint8 [..., rows, row_bytes] (reassembled from the planes)."""
+    return repack.unpack(self.planes, self.qtype, self.n)
 
   def dense(self, dtype=jnp.float32) -> jax.Array:
     """Dequantize (bit-exactly as ggml) to `dtype` [..., rows, n]."""
     return quant.dequantize(self.data, self.qtype, self.n).astype(dtype)
 
   def __getitem__(self, idx) -> "QTensor":
-    """Index leading dims (e.g. experts): `w[ids]` keeps the rows packed."""
-    return self.replace(data=self.data[idx])
+    """Index leading dims (experts, rows): `w[ids]` keeps the rows packed."""
+    return self.replace(planes=tuple(p[idx] for p in self.planes))
 
   @classmethod
   def from_gguf(cls, data_u8, qtype: str, n: int) -> "QTensor":
-    """From a GGUF tensor's bytes (numpy uint8 [..., rows, row_bytes])."""
-    import numpy as np
-    return cls(jnp.asarray(np.ascontiguousarray(data_u8)), qtype, n)
+    """From a GGUF tensor's bytes (numpy uint8 [..., rows, row_bytes]): repacked once, on the host."""
+    return cls(tuple(jnp.asarray(p) for p in repack.repack_np(data_u8, qtype, n)), qtype, n)
+
+  @classmethod
+  def from_planes(cls, planes, qtype: str, n: int, kernel: str = "xla") -> "QTensor":
+    return cls(tuple(planes), qtype, n, kernel)
 
 
 KERNELS = ("xla", "pallas", "interpret")

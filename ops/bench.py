@@ -1,0 +1,329 @@
+"""Quantized-kernel benchmark: weight-byte GB/s of the Pallas kernels beside XLA and a measured copy bandwidth.
+
+  python -m ops.bench --out out/bench [--types IQ3_S,Q4_K] [--batches 1,4,16] [--parts a,b] [--check]
+
+Cells (Qwen3-30B-A3B shapes: D = 2048, F = 768, 128 experts, top-8), each timed on random valid weights made on
+the device (ops/repack.random_planes), random distinct routing per token and layer:
+  copy   a device-to-device copy (x + 1 over 2 GiB, bytes read + written): the bandwidth ceiling;
+  a/moe  one expert layer (gate/up 2048->768, SiLU, down 768->2048, router-weighted sum), timed as a scan over
+         16 distinct layers so the weights come from HBM, not L2; per-layer numbers;
+  a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies;
+  b/step the routed-expert work of a decode step: 48 layers in one jitted call (layer l+1 takes layer l's output,
+         RMS-normalised), so launch latency counts as in decoding.
+Implementations: `pallas` (ops/moe_pallas, ops/qmatmul_pallas), `xla` (the jnp reference: gather the routed
+slabs, dequantize, dot), `bf16` (dense bfloat16 weights, gather + dot; its own bytes).
+GB/s counts the bytes of the distinct routed experts' packed weights (GGUF bytes: planes hold the same bytes);
+`%copy` is that over the copy bandwidth. Median of --iters timed calls after warm-up. A progress bar runs over
+the cells; every cell is a JSON line in --out/results.jsonl; a markdown table is printed last.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "out/bench", "folder for results.jsonl")
+flags.DEFINE_list("types", ["IQ3_S", "Q4_K", "Q8_0", "Q6_K", "IQ4_XS", "IQ4_NL", "Q5_K"], "quant types")
+flags.DEFINE_list("batches", ["1", "4", "16"], "tokens per step")
+flags.DEFINE_list("parts", ["a", "b"], "a: one layer + dense projection; b: 48-layer decode step")
+flags.DEFINE_list("impls", ["pallas", "xla", "bf16"], "implementations")
+flags.DEFINE_integer("layers", 48, "layers in part b")
+flags.DEFINE_integer("iters", 10, "timed calls per cell (median)")
+flags.DEFINE_boolean("check", False, "first compare the compiled kernels with the reference on small shapes")
+flags.DEFINE_string("sweep", "", "JSON list of tile overrides {'gateup': {...}, 'down': {...}, 'proj': {...}}: "
+                    "part b/a at B=1 for each, before the main run")
+flags.DEFINE_boolean("unroll_layers", False, "part b as 48 unrolled layers instead of a scan")
+flags.DEFINE_list("shape", ["2048", "768", "128", "8", "4096"], "D, F, experts, top-k, projection rows (smoke tests)")
+flags.DEFINE_boolean("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke test only)")
+
+D, F, E, TOPK, NPROJ = 2048, 768, 128, 8, 4096
+
+
+def _timeit(fn, *args, iters):
+  import jax
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t)
+  return statistics.median(ts)
+
+
+def _copy_bw(iters):
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.bits(jax.random.PRNGKey(0), (512 << 20,), jnp.uint32)          # 2 GiB
+  f = jax.jit(lambda v: v + 1)
+  t = _timeit(f, a, iters=iters)
+  return 2 * a.nbytes / t / 1e9
+
+
+def _experts(key, qtype, layers):
+  """Stacked [layers, E, ...] gate, up, down QTensors of random valid blocks."""
+  import jax
+  import jax.numpy as jnp
+  from ops import repack
+  from ops.qtensor import QTensor
+  gen = jax.jit(lambda k, shape: repack.random_planes(k, qtype, shape), static_argnums=1)
+  out = []
+  for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F))):
+    per = [gen(jax.random.fold_in(key, 1000 * i + l), shape) for l in range(layers)]
+    planes = tuple(jnp.stack([p[j] for p in per]) for j in range(len(per[0])))
+    del per
+    out.append(QTensor(planes, qtype, shape[-1], "pallas"))
+  return out
+
+
+def _bf16_experts(key, layers):
+  import jax
+  import jax.numpy as jnp
+  return [jax.random.normal(jax.random.fold_in(key, i), (layers, E, *s), jnp.bfloat16) * 0.02
+          for i, s in enumerate(((F, D), (F, D), (D, F)))]
+
+
+def _routing(key, layers, T):
+  import jax
+  import jax.numpy as jnp
+  r = jax.random.uniform(key, (layers, T, E))
+  w, ids = jax.lax.top_k(r, TOPK)
+  return ids.astype(jnp.int32), (w / jnp.sum(w, -1, keepdims=True)).astype(jnp.float32)
+
+
+def _routed_bytes(ids, per_expert_bytes):
+  import numpy as np
+  ids = np.asarray(ids)
+  return int(sum(len(np.unique(ids[l])) for l in range(ids.shape[0])) * per_expert_bytes)
+
+
+def _step_fn(impl, overrides, unroll_layers):
+  """(x, ids [L, T, K], w [L, T, K], gate, up, down) -> x after L layers."""
+  import jax
+  import jax.numpy as jnp
+  from ops import moe as moe_ops
+  from ops import moe_pallas
+
+  def layer(x, ids, w, g, u, d):
+    if impl == "pallas":
+      y = moe_pallas.moe_pallas(x, ids, w, g, u, d, overrides=overrides)
+    elif impl == "xla":
+      y = moe_ops._moe_gather(x, ids, w, g, u, d)
+    else:
+      y = _bf16_moe(x, ids, w, g, u, d)
+    return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+
+  def step(x, ids, w, g, u, d):
+    L = ids.shape[0]
+    if unroll_layers:
+      for l in range(L):
+        x = layer(x, ids[l], w[l], g[l], u[l], d[l])
+      return x
+    x, _ = jax.lax.scan(lambda x, a: (layer(x, *a), None), x, (ids, w, g, u, d))
+    return x
+
+  return jax.jit(step)
+
+
+def _bf16_moe(x, ids, w, g, u, d):
+  import jax
+  import jax.numpy as jnp
+  xb = x.astype(jnp.bfloat16)
+  gg, uu, dd = g[ids], u[ids], d[ids]                   # [T, K, F, D] routed slabs
+  h = jax.nn.silu(jnp.einsum("td,tkfd->tkf", xb, gg, preferred_element_type=jnp.float32)) * \
+      jnp.einsum("td,tkfd->tkf", xb, uu, preferred_element_type=jnp.float32)
+  y = jnp.einsum("tkf,tkdf->tkd", h.astype(jnp.bfloat16), dd, preferred_element_type=jnp.float32)
+  return jnp.einsum("tkd,tk->td", y, w)
+
+
+def _proj_fn(impl, overrides):
+  import jax
+  import jax.numpy as jnp
+  from ops import qmatmul, qmatmul_pallas
+
+  def one(x, w):
+    if impl == "pallas":
+      return qmatmul_pallas.qmatmul_pallas(x, w, overrides=overrides)
+    if impl == "xla":
+      return qmatmul.qmatmul_ref(x, w)
+    return jnp.einsum("bk,nk->bn", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+
+  def run(x, ws):
+    def body(acc, w):
+      return acc + one(x, w), None
+    acc, _ = jax.lax.scan(body, jnp.zeros((x.shape[0], NPROJ), jnp.float32), ws)
+    return acc
+
+  return jax.jit(run)
+
+
+def _check(types):
+  """Compiled kernels vs the reference on small random shapes (odd N, several experts, B in 1, 3, 8)."""
+  import jax.numpy as jnp
+  import numpy as np
+  from ops import moe as moe_ops
+  from ops import moe_pallas, qmatmul, qmatmul_pallas, quant
+  from ops.qtensor import QTensor
+  rng = np.random.default_rng(0)
+  rows = []
+  for q in types:
+    K = 1024
+    w = QTensor.from_gguf(quant.random_blocks(q, (333, K), rng), q, K)
+    g, u = (QTensor.from_gguf(quant.random_blocks(q, (6, 256, 512), rng), q, 512) for _ in range(2))
+    d = QTensor.from_gguf(quant.random_blocks(q, (6, 512, 256), rng), q, 256)
+    for B in (1, 3, 8, 16):
+      x = jnp.asarray(rng.standard_normal((B, K)).astype(np.float32))
+      y, r = qmatmul_pallas.qmatmul_pallas(x, w), qmatmul.qmatmul_ref(x, w)
+      e1 = float(jnp.linalg.norm(y - r) / jnp.linalg.norm(r))
+      xm = jnp.asarray(rng.standard_normal((B, 512)).astype(np.float32))
+      ids = jnp.asarray(np.stack([rng.choice(6, 2, replace=False) for _ in range(B)]).astype(np.int32))
+      wt = jnp.asarray(rng.random((B, 2)).astype(np.float32))
+      ym, rm = moe_pallas.moe_pallas(xm, ids, wt, g, u, d), moe_ops.moe_ref(xm, ids, wt, g, u, d)
+      e2 = float(jnp.linalg.norm(ym - rm) / jnp.linalg.norm(rm))
+      rows.append({"cell": "check", "type": q, "B": B, "qmatmul_relerr": e1, "moe_relerr": e2,
+                   "ok": bool(e1 < 1e-4 and e2 < 1e-4)})
+      print(f"check {q} B={B}: qmatmul {e1:.2e} moe {e2:.2e} {'ok' if rows[-1]['ok'] else 'FAIL'}", flush=True)
+  return rows
+
+
+def _interp(mod, name):
+  import functools
+  setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
+
+
+class _Progress:
+  def __init__(self, total):
+    self.total, self.done, self.t0 = total, 0, time.time()
+
+  def step(self, label):
+    self.done += 1
+    n = 30 * self.done // max(self.total, 1)
+    print(f"[{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {time.time() - self.t0:6.0f}s {label}",
+          file=sys.stderr, flush=True)
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from ops import quant, repack
+  from ops.qtensor import QTensor
+
+  global D, F, E, TOPK, NPROJ
+  D, F, E, TOPK, NPROJ = (int(v) for v in FLAGS.shape)
+  if FLAGS.interpret:
+    from ops import moe_pallas, qmatmul_pallas
+    _interp(moe_pallas, "moe_pallas")
+    _interp(qmatmul_pallas, "qmatmul_pallas")
+  os.makedirs(FLAGS.out, exist_ok=True)
+  out_path = os.path.join(FLAGS.out, "results.jsonl")
+  dev = jax.devices()[0]
+  meta = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+          "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+  results = []
+
+  def emit(rec):
+    rec = dict(meta, **rec)
+    results.append(rec)
+    with open(out_path, "a") as f:
+      f.write(json.dumps(rec) + "\n")
+
+  if FLAGS.check:
+    for r in _check(FLAGS.types):
+      emit(r)
+
+  copy = _copy_bw(FLAGS.iters)
+  emit({"cell": "copy", "GBps": copy, "argv": sys.argv[1:]})
+  print(f"copy bandwidth {copy:.0f} GB/s (read + write)", flush=True)
+
+  batches = [int(b) for b in FLAGS.batches]
+  sweeps = json.loads(FLAGS.sweep) if FLAGS.sweep else []
+  n_cells = len(FLAGS.types) * (len(sweeps) + len(batches) * len(FLAGS.impls) * len(FLAGS.parts))
+  prog = _Progress(n_cells)
+  key = jax.random.PRNGKey(1)
+  L = FLAGS.layers
+  for q in FLAGS.types:
+    per_expert = 3 * quant.row_bytes(q, D) * F            # gate + up (F rows of D) + down (D rows of F): equal
+    g, u, d = _experts(jax.random.fold_in(key, hash(q) % 1000), q, L)
+    wproj = QTensor(repack.random_planes(jax.random.PRNGKey(7), q, (16, NPROJ, D)), q, D, "pallas")
+    proj_bytes = quant.row_bytes(q, D) * NPROJ
+    for si, ov in enumerate(sweeps):
+      ids, w = _routing(jax.random.PRNGKey(11), L, 1)
+      x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
+      rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
+      try:
+        t = _timeit(_step_fn("pallas", ov, FLAGS.unroll_layers), x, ids, w, g, u, d, iters=FLAGS.iters)
+        rec.update(ms=t * 1e3, GBps=_routed_bytes(ids, per_expert) / t / 1e9)
+        rec["pct_copy"] = 100 * rec["GBps"] / copy
+        if "proj" in ov:
+          tp = _timeit(_proj_fn("pallas", ov["proj"]), x, wproj, iters=FLAGS.iters) / 16
+          rec.update(proj_us=tp * 1e6, proj_GBps=proj_bytes / tp / 1e9)
+      except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      emit(rec)
+      prog.step(f"sweep {q} {si}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
+    for impl in sorted(FLAGS.impls, key=lambda i: i == "bf16"):   # bf16 last: it replaces the weights
+      if impl == "bf16":
+        if q != FLAGS.types[0]:
+          continue
+        del g, u, d
+        g, u, d = _bf16_experts(key, L)
+        wp = jax.random.normal(key, (16, NPROJ, D), jnp.bfloat16)
+      else:
+        wp = wproj
+      for B in batches:
+        ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B)
+        x = jax.random.normal(jax.random.PRNGKey(3), (B, D), jnp.float32)
+        pe = 3 * 2 * D * F if impl == "bf16" else per_expert
+        qn = "BF16" if impl == "bf16" else q
+        for part in FLAGS.parts:
+          rec = {"type": qn, "impl": impl, "B": B, "cell": part}
+          try:
+            if part == "b":
+              t = _timeit(_step_fn(impl, None, FLAGS.unroll_layers), x, ids, w, g, u, d, iters=FLAGS.iters)
+              nbytes = _routed_bytes(ids, pe)
+              rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
+            else:
+              n1 = min(16, L)
+              t = _timeit(_step_fn(impl, None, False), x, ids[:n1], w[:n1],
+                          *(a[:n1] for a in (g, u, d)), iters=FLAGS.iters) / n1
+              nbytes = _routed_bytes(ids[:1], pe)
+              tp = _timeit(_proj_fn(impl, None), x, wp, iters=FLAGS.iters) / 16
+              pb = 2 * NPROJ * D if impl == "bf16" else proj_bytes
+              rec.update(layer_us=t * 1e6, GBps=_routed_bytes(ids[:n1], pe) / n1 / t / 1e9,
+                         proj_us=tp * 1e6, proj_GBps=pb / tp / 1e9)
+            rec["pct_copy"] = 100 * rec["GBps"] / copy
+          except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+          emit(rec)
+          prog.step(f"{qn} {impl} B={B} {part}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
+    del g, u, d
+
+  # markdown table, last
+  print(f"\n{meta['device']}, jax {meta['jax']}, {meta['date']}; copy {copy:.0f} GB/s\n")
+  print("| type | impl | B | b: 48-layer step ms | b: GB/s | b: % copy | a: layer µs | a: GB/s | a: proj µs | a: proj GB/s |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  rows = {}
+  for r in results:
+    if r.get("cell") in ("a", "b"):
+      rows.setdefault((r["type"], r["impl"], r["B"]), {})[r["cell"]] = r
+  f = lambda r, k, fmt: (fmt % r[k]) if r and k in r else ("err" if r and "error" in r else "")
+  for (q, impl, B), c in rows.items():
+    a, b = c.get("a"), c.get("b")
+    print(f"| {q} | {impl} | {B} | {f(b, 'ms', '%.3f')} | {f(b, 'GBps', '%.0f')} | {f(b, 'pct_copy', '%.0f')} | "
+          f"{f(a, 'layer_us', '%.1f')} | {f(a, 'GBps', '%.0f')} | {f(a, 'proj_us', '%.1f')} | {f(a, 'proj_GBps', '%.0f')} |")
+  for r in results:
+    if r.get("cell") == "sweep":
+      print(f"sweep {r['type']} {json.dumps(r['overrides'])}: "
+            + (f"{r['ms']:.3f} ms {r['GBps']:.0f} GB/s {r['pct_copy']:.0f}%" if "ms" in r else "")
+            + (f" proj {r['proj_GBps']:.0f} GB/s" if "proj_GBps" in r else "") + r.get("error", ""))
+
+
+if __name__ == "__main__":
+  app.run(main)

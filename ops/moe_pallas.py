@@ -1,0 +1,123 @@
+"""Routed-expert FFN as two Pallas kernels (Triton lowering) over packed experts: only the routed experts are read.
+
+For T <= 16 tokens with top-K routing, P = T*K (token, expert) pairs, p = t*K + k:
+
+  1. gate/up: grid (F / BN, P), row tiles fastest. Program (i, p) loads its expert id e = ids[p] (an int32
+     input, no scalar prefetch), reads rows [i*BN, i*BN + BN) of gate[e] and up[e] (QTensor planes
+     [E, F, nb, ...]) over the whole D, dequantizes in registers (the tiles of ops/qmatmul_pallas) and writes
+     h[p, rows] = silu(gate . x_t) * (up . x_t), straight into the down type's x layout (`x_view_index`), so no
+     op runs between the two kernels.
+  2. down: grid (D / BN, T). Program (i, t) walks its K experts (ids[t*K + k]), reads rows [i*BN, i*BN + BN)
+     of down[e] over F and accumulates w[t, k] * (down[e] . h[t*K + k]): the weighted sum over k happens in
+     registers and out[t, rows] is written once.
+
+Nothing dequantized is written to memory; h is P x F float32. Tile sizes: ops/qmatmul_pallas.TUNING, with the
+per-kernel overrides of `MOE_TUNING` below. Reference: ops/moe.moe_ref.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ops import qmatmul_pallas as qp
+from ops import quant, repack
+
+F32, I32 = jnp.float32, jnp.int32
+
+# (kernel, qtype) -> overrides of qp.TUNING; "gateup" tiles F rows of gate and up, "down" tiles D rows.
+MOE_TUNING: dict[tuple[str, str], dict] = {("down", q): dict(BN=16) for q in qp.KERNEL_TYPES}
+
+
+def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nsteps, unroll, down_qtype):
+  *w_refs, h_ref = refs
+  n = len(names)
+  G, U = dict(zip(names, w_refs[:n])), dict(zip(names, w_refs[n:]))
+  p = pl.program_id(1)
+  e = ids_ref[p]
+  t = p // K
+  rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), F - 1)
+
+  def step(j, acc):
+    b0 = j * S
+    xs = [lambda *idx: x_ref[(t, pl.ds(b0, S), *idx)]]
+    g = qp.TILES[qtype](lambda name, *idx: G[name][(e, rows, pl.ds(b0, S), *idx)], xs, tab_ref)[0]
+    u = qp.TILES[qtype](lambda name, *idx: U[name][(e, rows, pl.ds(b0, S), *idx)], xs, tab_ref)[0]
+    return acc[0] + g, acc[1] + u
+
+  zero = jnp.zeros((BN, S), F32)
+  g, u = qp.block_loop(nsteps, unroll, step, (zero, zero))
+  g, u = jnp.sum(g, axis=1), jnp.sum(u, axis=1)
+  h = g / (1.0 + jnp.exp(-g)) * u
+  h_ref[p, qp.x_view_index(down_qtype, rows)] = h
+
+
+def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, K, D, BN, S, nsteps, unroll):
+  *w_refs, o_ref = refs
+  W = dict(zip(names, w_refs))
+  t = pl.program_id(1)
+  rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), D - 1)
+
+  def expert(k, acc):
+    p = t * K + k
+    e = ids_ref[p]
+
+    def step(j, a):
+      b0 = j * S
+      xs = [lambda *idx: h_ref[(p, pl.ds(b0, S), *idx)]]
+      return a + qp.TILES[qtype](lambda name, *idx: W[name][(e, rows, pl.ds(b0, S), *idx)], xs, tab_ref)[0]
+
+    y = qp.block_loop(nsteps, unroll, step, jnp.zeros((BN, S), F32))
+    return acc + w_ref[p] * y
+
+  acc = qp.block_loop(K, unroll, expert, jnp.zeros((BN, S), F32))
+  o_ref[t, rows] = jnp.sum(acc, axis=1)
+
+
+def supported(x_TD, ids_TK, gate, up, down) -> bool:
+  T = ids_TK.shape[0]
+  return (gate.qtype == up.qtype and gate.qtype in qp.TILES and down.qtype in qp.TILES and 1 <= T <= qp.MAX_B
+          and len(gate.shape) == 3)
+
+
+def _cfg(kernel, qtype, rows, nb, overrides):
+  o = dict(MOE_TUNING.get((kernel, qtype), {}))
+  o.update((overrides or {}).get(kernel, {}))
+  return tuple(sorted(qp.config(qtype, rows, nb, o).items()))
+
+
+@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd"))
+def _moe(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd):
+  T, K = ids_TK.shape
+  P = T * K
+  ids = ids_TK.reshape(P).astype(I32)
+  cg, cd = dict(cg), dict(cd)
+  nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
+  names_g, names_d = repack.plane_names(gq), repack.plane_names(dq)
+  gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, K=K, F=F, BN=cg["BN"], S=cg["S"],
+                             nsteps=nbD // cg["S"], unroll=cg["unroll"], down_qtype=dq)
+  h = pl.pallas_call(
+      gateup, out_shape=jax.ShapeDtypeStruct((P, F), F32), grid=(pl.cdiv(F, cg["BN"]), P),
+      compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
+  )(ids, qp.x_view(x_TD.astype(F32), gq), qp.table(gq), *gplanes, *uplanes)
+  h = h.reshape(P, nbF, *(qp.XVIEW[dq][i] for i in qp.XPERM[dq]))        # already in the x layout of dq
+  down = functools.partial(_down_kernel, qtype=dq, names=names_d, K=K, D=D, BN=cd["BN"], S=cd["S"],
+                           nsteps=nbF // cd["S"], unroll=cd["unroll"])
+  return pl.pallas_call(
+      down, out_shape=jax.ShapeDtypeStruct((T, D), F32), grid=(pl.cdiv(D, cd["BN"]), T),
+      compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",
+  )(ids, w_TK.reshape(P).astype(F32), h, qp.table(dq), *dplanes)
+
+
+def moe_pallas(x_TD, ids_TK, w_TK, gate, up, down, *, interpret: bool = False, overrides: dict | None = None):
+  """sum_k w[t, k] * down[e](silu(gate[e] x_t) * up[e] x_t), e = ids[t, k]; packed QTensor experts
+  gate/up [E, F, D], down [E, D, F]; T <= 16. overrides: {"gateup": {...}, "down": {...}} tile sizes."""
+  if not supported(x_TD, ids_TK, gate, up, down):
+    raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} with {ids_TK.shape[0]} tokens")
+  E, F, D = gate.shape
+  nbD, nbF = D // quant.GGML_TYPES[gate.qtype][0], F // quant.GGML_TYPES[down.qtype][0]
+  return _moe(x_TD, ids_TK, w_TK, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
+              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret,
+              cg=_cfg("gateup", gate.qtype, F, nbD, overrides), cd=_cfg("down", down.qtype, D, nbF, overrides))

@@ -1,0 +1,389 @@
+"""Fused dequantize + matmul, Pallas with the Triton lowering: y[B, N] = x[B, K] @ W[N, K]^T, W packed (B <= 16).
+
+The kernel reads each weight byte once from the repacked planes (ops/repack), dequantizes in registers and never
+writes a dequantized weight anywhere. Tiling: program i owns rows [i*BN, i*BN + BN) (clamped to N-1, so odd N
+needs no mask: duplicate rows recompute and store row N-1's value) and walks K in steps of S blocks; a step
+loads one tile per plane, `[BN, S, *field_shape]` (16-byte vector loads, each row's S blocks contiguous),
+and x as `[S, ...]` slices of a free reshape of x (`XVIEW`), shared by the BN rows. Every token b of the
+batch reuses the same dequantized tile (a static loop over b). Per-(row, block) partial sums `[BN, S]` are
+carried through the loop and reduced once at the end.
+
+Arithmetic, per value, without int->float conversions (quarter-rate on GPUs):
+  - an unsigned k-bit code q is moved into the mantissa under the exponent of 1.0: f = 1 + q / 2^k exactly
+    (one shift and one mask-or); the tile accumulates A = sum f*x and, per sub-block, X = sum x (shared by all
+    rows), and sum q*x = 2^k (A - X). Only the per-sub-block scale arithmetic runs on [BN, S] scalars.
+  - Q8_0: q + 128 = byte ^ 0x80 (k = 8). Q4_K k = 4, Q5_K k = 5 (qh bit), Q6_K k = 6 (ql nibble | qh pair).
+  - IQ3_S: 9-bit grid index -> one uint32 of 4 magnitudes from a 2 KB table (a gathered load), magnitude
+    m -> float(2^23 + m) - 2^23, sign bit xor'ed into the float.
+  - IQ4_NL / IQ4_XS: 4-bit index -> a gathered load from the 16 float levels (one 64-byte line).
+
+The per-type tiles (`TILES`) are shared with the MoE kernel (ops/moe_pallas.py). `TUNING` holds the tile
+sizes per type; `qmatmul_pallas` is jitted with them static. Tests run it with interpret=True on CPU and lower
+it for abstract CUDA and ROCm devices (tests/test_lowering.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops import quant, repack
+
+U32, I32, F32 = jnp.uint32, jnp.int32, jnp.float32
+MAX_B = 16                        # largest batch the kernels take (static per-token loop); larger B: reference
+KERNEL_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "IQ4_NL", "IQ4_XS")
+
+# x [B, K] -> [B, nb, *XVIEW[qtype]] splits a block's value index into coordinates (natural order, below), then
+# XPERM moves them so that the tile's last (contiguous) weight dim is x's last dim too: x loads are vectors.
+XVIEW = {
+    "Q8_0": (8, 4),                  # 4w + c
+    "Q4_K": (4, 2, 8, 4),            # 64i + 32h + 4j + c
+    "Q5_K": (4, 2, 8, 4),
+    "Q6_K": (2, 4, 2, 4, 4),         # 128hh + 32s + 16jh + 4jl + cb
+    "IQ3_S": (2, 4, 2, 4, 4),        # 128a + 32pp + 16w2 + 4cb + m
+    "IQ4_NL": (2, 4, 4),             # 16h + 4jw + cb
+    "IQ4_XS": (8, 2, 4, 4),          # 32ib + 16h + 4jw + cb
+}
+XPERM = {
+    "Q8_0": (1, 0),                  # [c, w]
+    "Q4_K": (0, 1, 3, 2),            # [i, h, c, j]
+    "Q5_K": (0, 1, 3, 2),
+    "Q6_K": (0, 1, 4, 2, 3),         # [hh, s, cb, jh, jl]
+    "IQ3_S": (3, 4, 0, 1, 2),        # [cb, m, a, pp, w2]
+    "IQ4_NL": (0, 2, 1),             # [h, cb, jw]
+    "IQ4_XS": (1, 3, 0, 2),          # [h, cb, ib, jw]
+}
+
+# Tile sizes: BN rows per program (power of 2), S blocks per K step (power of 2; clipped to the largest power of
+# two dividing nb), Triton warps and pipeline stages. Measured on the H200: docs/PERF.md "Quantized kernels".
+TUNING: dict[str, dict] = {
+    "Q8_0": dict(BN=32, S=8, num_warps=2, num_stages=2),
+    "Q4_K": dict(BN=32, S=2, num_warps=2, num_stages=2),
+    "Q5_K": dict(BN=32, S=2, num_warps=2, num_stages=2),
+    "Q6_K": dict(BN=32, S=2, num_warps=2, num_stages=2),
+    "IQ3_S": dict(BN=32, S=2, num_warps=2, num_stages=2),
+    "IQ4_NL": dict(BN=32, S=8, num_warps=2, num_stages=2),
+    "IQ4_XS": dict(BN=32, S=2, num_warps=2, num_stages=2),
+}
+
+
+# Float bit patterns the tiles OR into shifted codes. They reach the kernel through its table input: constants
+# the compiler cannot see stay in a register, so `(v & mask) | c` is one LOP3 instead of two (-1 op per value).
+_CONSTS = np.array([0x3F800000, 0x3FC00000, 0x4B000000] + [0] * 13, np.uint32)
+ONE, Q8_FLIP, MAGIC23 = 0, 1, 2
+
+
+def table(qtype: str) -> jax.Array:
+  """The table input of a type's kernel: IQ3_S grid (uint32 of 4 magnitude bytes) then _CONSTS at 512; IQ4
+  levels (float32 [16]); _CONSTS for the other types."""
+  if qtype == "IQ3_S":
+    g = quant.IQ3_S_GRID.astype(np.uint32)                        # [512, 4], entries 1..15
+    return jnp.asarray(np.concatenate([g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16) | (g[:, 3] << 24), _CONSTS]))
+  if qtype in ("IQ4_NL", "IQ4_XS"):
+    return jnp.asarray(quant.IQ4_NL_LEVELS.astype(np.float32))
+  return jnp.asarray(_CONSTS)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _shl(w, s: int):
+  """w << s for a static s, w >> -s when s < 0."""
+  if s > 0:
+    return w << s
+  if s < 0:
+    return w >> (-s)
+  return w
+
+
+def _f32(bits):
+  return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def _f16lo(w):
+  return jax.lax.bitcast_convert_type((w & 0xFFFF).astype(jnp.uint16), jnp.float16).astype(F32)
+
+
+def _f16hi(w):
+  return jax.lax.bitcast_convert_type((w >> 16).astype(jnp.uint16), jnp.float16).astype(F32)
+
+
+def _iota(shape, dim):
+  return jax.lax.broadcasted_iota(U32, shape, dim)
+
+
+def _accumulate(fs, xc):
+  """sum_c fs[c] * xc[c][None] and sum_c xc[c] (fs [BN, ...], xc [...])."""
+  a = x = None
+  for f, v in zip(fs, xc):
+    a = f * v[None] if a is None else a + f * v[None]
+    x = v if x is None else x + v
+  return a, x
+
+
+# ---------------------------------------------------------------------------------------- tiles per type
+# tile(ld, xs, tab) -> [contribution [BN, S] for each x in xs]
+#   ld(name, *idx): plane `name` at the tile's rows and blocks, then idx -> [BN, S, ...]
+#   xs[b](*idx): token b's x at the tile's blocks, then idx (over XVIEW[qtype]) -> [S, ...]
+#   tab: the type's table ref (see `table`).
+
+
+def _tile_q8_0(ld, xs, tab):
+  """Q8_0 block (32): d f16 | qs 8 words, byte c of word w = int8 value 4w + c.   x = d * q."""
+  d = ld("d").astype(F32)                                              # [BN, S]
+  q = ld("qs", slice(None))                                            # [BN, S, 8]
+  flip = tab[Q8_FLIP]
+  fs = [_f32((_shl(q, 15 - 8 * c) & 0x7F8000) ^ flip) for c in range(4)]   # 1 + (q + 128) / 256
+  out = []
+  for xv in xs:
+    a, x = _accumulate(fs, [xv(c, slice(None)) for c in range(4)])     # [BN, S, 8], [S, 8]
+    out.append(d * (256.0 * jnp.sum(a, axis=2) - 384.0 * jnp.sum(x, axis=1)[None]))
+  return out
+
+
+def _k_scale_min(h1, h2, h3, k: int):
+  """6-bit scale and min of sub-block k from the 12 scale bytes (words h1, h2, h3), as float32 [BN, S]."""
+  if k < 4:
+    sc, mn = (h1 >> (8 * k)) & 63, (h2 >> (8 * k)) & 63
+  else:
+    j = k - 4
+    sc = ((h3 >> (8 * j)) & 15) | (((h1 >> (8 * j + 6)) & 3) << 4)
+    mn = ((h3 >> (8 * j + 4)) & 15) | (((h2 >> (8 * j + 6)) & 3) << 4)
+  return sc.astype(I32).astype(F32), mn.astype(I32).astype(F32)
+
+
+def _tile_q45_k(ld, xs, tab, five: bool):
+  """Q4_K / Q5_K superblock (256): hdr 4 words (d|dmin<<16, 12 scale bytes) | [Q5_K: qh 8 words, bit 8c+k of
+  word j = bit 4 of value 32k + 4j + c] | qs [4 i, 8 j] words, byte c nibble h = value 64i + 32h + 4j + c.
+  Sub-block k = 2i + h of 32 values: x = (d * sc_k) * q - dmin * mn_k."""
+  h = [ld("hdr", k) for k in range(4)]                                 # [BN, S] each
+  d, dmin = _f16lo(h[0]), _f16hi(h[0])
+  qh = ld("qh", slice(None)) if five else None                         # [BN, S, 8]
+  bits = 5 if five else 4
+  one = tab[ONE]
+  out = [0.0] * len(xs)
+  for i in range(4):
+    q = ld("qs", i, slice(None))                                       # [BN, S, 8]
+    for hh in range(2):
+      k = 2 * i + hh
+      sc, mn = _k_scale_min(h[1], h[2], h[3], k)
+      ds, dm = d * sc, dmin * mn
+      fs = []
+      for c in range(4):
+        s = 8 * c + 4 * hh
+        if five:   # 1 + q / 32, q = nibble | qh bit << 4
+          b = (_shl(q, 18 - s) & 0x3C0000) | (_shl(qh, 22 - (8 * c + k)) & 0x400000)
+        else:      # 1 + q / 16
+          b = _shl(q, 19 - s) & 0x780000
+        fs.append(_f32(b | one))
+      for bi, xv in enumerate(xs):
+        a, x = _accumulate(fs, [xv(i, hh, c, slice(None)) for c in range(4)])
+        xs_ = jnp.sum(x, axis=1)[None]                                 # [1, S]
+        out[bi] = out[bi] + ds * (float(1 << bits) * (jnp.sum(a, axis=2) - xs_)) - dm * xs_
+  return out
+
+
+def _tile_q4_k(ld, xs, tab):
+  return _tile_q45_k(ld, xs, tab, five=False)
+
+
+def _tile_q5_k(ld, xs, tab):
+  return _tile_q45_k(ld, xs, tab, five=True)
+
+
+def _tile_q6_k(ld, xs, tab):
+  """Q6_K superblock (256): ql [2 hh, 2 s%2, 2 jh, 4 jl] words (nibble s//2 of byte cb) | qh [2 hh, 2 jh, 4 jl]
+  words (bits 8cb + 2s) | sc int8 [2 hh, 4 s, 2 jh] | d f16, for value 128hh + 32s + 16jh + 4jl + cb.
+  x = (d * sc) * (q - 32), q = ql nibble | qh pair << 4, one scale per 16 values."""
+  d = ld("d").astype(F32)[:, :, None]                                  # [BN, S, 1]
+  one = tab[ONE]
+  out = [0.0] * len(xs)
+  for hh in range(2):
+    qh = ld("qh", hh, slice(None), slice(None))                        # [BN, S, 2, 4]
+    ql = [ld("ql", hh, r, slice(None), slice(None)) for r in range(2)]
+    for s in range(4):
+      ds = d * ld("sc", hh, s, slice(None)).astype(F32)                # [BN, S, 2]
+      fs = []
+      for cb in range(4):   # 1 + q / 64
+        b = (_shl(ql[s % 2], 17 - (8 * cb + 4 * (s // 2))) & 0x1E0000) | ((_shl(qh, 21 - (8 * cb + 2 * s)) & 0x600000) | one)
+        fs.append(_f32(b))
+      for bi, xv in enumerate(xs):
+        a, x = _accumulate(fs, [xv(hh, s, cb, slice(None), slice(None)) for cb in range(4)])
+        xs_ = jnp.sum(x, axis=2)[None]                                 # [1, S, 2]
+        out[bi] = out[bi] + jnp.sum(ds * (64.0 * (jnp.sum(a, axis=3) - xs_) - 32.0 * xs_), axis=2)
+  return out
+
+
+def _tile_iq3_s(ld, xs, tab):
+  """IQ3_S superblock (256): d f16 | qs [2 a, 4 pp, 2 w2] words | qh [2 a] words | signs [2 a, 4 pp] words |
+  scales word. Group k = 8p + 4w2 + cb (p = 4a + pp, 4 values): grid index = byte cb of qs (a, pp, w2) | bit
+  8pp + 4w2 + cb of qh (a) << 8; value 4k + m has magnitude byte m of grid[index] and sign bit 16w2 + 4cb + m
+  of signs (a, pp).   x = d * (1 + 2 * scale nibble p) * magnitude * sign."""
+  d = ld("d").astype(F32)[:, :, None, None, None]                      # [BN, S, 1, 1, 1]
+  qs = ld("qs", slice(None), slice(None), slice(None))                 # [BN, S, 2, 4, 2]
+  qh = ld("qh", slice(None))[:, :, :, None, None]                      # [BN, S, 2, 1, 1]
+  sg = ld("signs", slice(None), slice(None))[:, :, :, :, None]         # [BN, S, 2, 4, 1]
+  sc = ld("scales")[:, :, None, None, None]                            # [BN, S, 1, 1, 1]
+  a_, pp, w2 = _iota((1, 1, 2, 4, 1), 2), _iota((1, 1, 2, 4, 1), 3), _iota((1, 1, 1, 1, 2), 4)
+  db = d * (1 + 2 * ((sc >> (4 * (4 * a_ + pp))) & 15)).astype(I32).astype(F32)   # [BN, S, 2, 4, 1]
+  magic = tab[512 + MAGIC23]
+  acc = [None] * len(xs)
+  for cb in range(4):
+    idx = ((qs >> (8 * cb)) & 255) | (((qh >> (8 * pp + 4 * w2 + cb)) & 1) << 8)
+    gw = tab[idx.astype(I32)]                                          # [BN, S, 2, 4, 2] uint32
+    for m in range(4):
+      mag = _f32((_shl(gw, -8 * m) & 0xFF) | magic) - 8388608.0
+      sbit = (sg << (31 - (16 * w2 + 4 * cb + m))) & jnp.uint32(0x80000000)
+      v = _f32(jax.lax.bitcast_convert_type(mag, U32) ^ sbit)
+      for bi, xv in enumerate(xs):
+        t = v * xv(cb, m, slice(None), slice(None), slice(None))[None]
+        acc[bi] = t if acc[bi] is None else acc[bi] + t
+  # one axis per reduction (a multi-axis reduce does not lower under an abstract mesh in jax 0.11.2)
+  return [jnp.sum(jnp.sum(jnp.sum(db * jnp.sum(a, axis=4, keepdims=True), axis=4), axis=3), axis=2) for a in acc]
+
+
+def _tile_iq4_nl(ld, xs, tab):
+  """IQ4_NL block (32): d f16 | qs 4 words, byte cb of word jw nibble h = level index of value 16h + 4jw + cb.
+  x = d * level."""
+  d = ld("d").astype(F32)                                              # [BN, S]
+  q = ld("qs", slice(None))                                            # [BN, S, 4]
+  lv = [tab[((q >> (8 * cb + 4 * h)) & 15).astype(I32)] for h in range(2) for cb in range(4)]
+  out = []
+  for xv in xs:
+    a, _ = _accumulate(lv, [xv(h, cb, slice(None)) for h in range(2) for cb in range(4)])
+    out.append(d * jnp.sum(a, axis=2))
+  return out
+
+
+def _tile_iq4_xs(ld, xs, tab):
+  """IQ4_XS superblock (256): hdr 2 words (d | scales_h << 16, scales_l) | qs [8 ib, 4 jw] words, byte cb
+  nibble h = level index of value 32ib + 16h + 4jw + cb.   x = d * (6-bit scale_ib - 32) * level."""
+  h0, h1 = ld("hdr", 0)[:, :, None], ld("hdr", 1)[:, :, None]         # [BN, S, 1]
+  ib = _iota((1, 1, 8), 2)
+  ls = ((h1 >> (4 * ib)) & 15) | (((h0 >> (16 + 2 * ib)) & 3) << 4)   # [BN, S, 8]
+  ds = _f16lo(h0) * (ls.astype(I32) - 32).astype(F32)
+  q = ld("qs", slice(None), slice(None))                               # [BN, S, 8, 4]
+  lv = [tab[((q >> (8 * cb + 4 * h)) & 15).astype(I32)] for h in range(2) for cb in range(4)]
+  out = []
+  for xv in xs:
+    a, _ = _accumulate(lv, [xv(h, cb, slice(None), slice(None)) for h in range(2) for cb in range(4)])
+    out.append(jnp.sum(ds * jnp.sum(a, axis=3), axis=2))
+  return out
+
+
+TILES = {
+    "Q8_0": _tile_q8_0, "Q4_K": _tile_q4_k, "Q5_K": _tile_q5_k, "Q6_K": _tile_q6_k, "IQ3_S": _tile_iq3_s,
+    "IQ4_NL": _tile_iq4_nl, "IQ4_XS": _tile_iq4_xs,
+}
+assert set(TILES) == set(KERNEL_TYPES) == set(XVIEW)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def _pow2_floor(v: int) -> int:
+  return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def config(qtype: str, rows: int, nb: int, overrides: dict | None = None) -> dict:
+  """Tile sizes for `rows` output rows and `nb` blocks per row: TUNING[qtype] (+ overrides), clipped."""
+  c = dict(TUNING[qtype], **(overrides or {}))
+  c["BN"] = min(_pow2_floor(c["BN"]), max(16, 1 << (max(rows, 1) - 1).bit_length()))
+  s = _pow2_floor(c["S"])
+  while nb % s:
+    s //= 2
+  c["S"] = s
+  c.setdefault("unroll", 0)
+  return c
+
+
+def x_view(x2, qtype: str):
+  """x [B, K] float32 -> [B, nb, *permuted XVIEW[qtype]] (one small transpose)."""
+  block = quant.GGML_TYPES[qtype][0]
+  v = x2.reshape(x2.shape[0], x2.shape[1] // block, *XVIEW[qtype])
+  return v.transpose(0, 1, *(2 + p for p in XPERM[qtype]))
+
+
+def x_view_index(qtype: str, k):
+  """Flat position in `x_view(x, qtype)` (per row) of value index k (int32 array); for kernels that write an
+  activation straight into the next kernel's x layout."""
+  block = quant.GGML_TYPES[qtype][0]
+  dims = XVIEW[qtype]
+  coords, rem = [], k % block
+  for i, d in enumerate(dims):
+    inner = int(np.prod(dims[i + 1:], dtype=np.int64))
+    coords.append((rem // inner) % d)
+  pos = 0
+  for p in XPERM[qtype]:
+    pos = pos * dims[p] + coords[p]
+  return (k // block) * block + pos
+
+
+def block_loop(nsteps: int, unroll: int, body, init):
+  """Carry `init` through body(step, carry) for step in range(nsteps): a Python loop when nsteps <= unroll
+  (every load visible to the scheduler at once), else a fori_loop."""
+  if nsteps <= unroll:
+    c = init
+    for j in range(nsteps):
+      c = body(j, c)
+    return c
+  return jax.lax.fori_loop(0, nsteps, body, init)
+
+
+def compiler_params(c: dict):
+  return plgpu.CompilerParams(num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+
+def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nsteps, unroll):
+  *w_refs, o_ref = refs
+  W = dict(zip(names, w_refs))
+  rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), N - 1)
+
+  def step(j, accs):
+    b0 = j * S
+    ld = lambda name, *idx: W[name][(rows, pl.ds(b0, S), *idx)]
+    xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, S), *idx)], b) for b in range(B)]
+    return tuple(a + o for a, o in zip(accs, TILES[qtype](ld, xs, tab_ref)))
+
+  accs = block_loop(nsteps, unroll, step, tuple(jnp.zeros((BN, S), F32) for _ in range(B)))
+  for b in range(B):
+    o_ref[b, rows] = jnp.sum(accs[b], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("qtype", "n", "interpret", "cfg"))
+def _qmatmul(x2, planes, *, qtype, n, interpret, cfg):
+  c = dict(cfg)
+  B = x2.shape[0]
+  N = planes[0].shape[0]
+  nb = n // quant.GGML_TYPES[qtype][0]
+  names = repack.plane_names(qtype)
+  kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=c["BN"], S=c["S"],
+                             nsteps=nb // c["S"], unroll=c["unroll"])
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((B, N), F32), grid=(pl.cdiv(N, c["BN"]),),
+      compiler_params=compiler_params(c), interpret=interpret, name=f"qmatmul_{qtype.lower()}",
+  )(x_view(x2.astype(F32), qtype), table(qtype), *planes)
+
+
+def supported(w, batch: int) -> bool:
+  return w.qtype in TILES and 1 <= batch <= MAX_B and len(w.shape) == 2
+
+
+def qmatmul_pallas(x: jax.Array, w, *, interpret: bool = False, overrides: dict | None = None) -> jax.Array:
+  """x [..., K] @ W[N, K]^T -> [..., N] float32 with W a 2-D QTensor of a type in KERNEL_TYPES; B <= MAX_B."""
+  N, K = w.shape
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, K)
+  if not supported(w, x2.shape[0]):
+    raise ValueError(f"qmatmul_pallas: {w.qtype} {w.shape} with batch {x2.shape[0]} is not supported")
+  nb = K // quant.GGML_TYPES[w.qtype][0]
+  cfg = config(w.qtype, N, nb, overrides)
+  y = _qmatmul(x2, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret, cfg=tuple(sorted(cfg.items())))
+  return y.reshape(*lead, N)
