@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -69,20 +68,6 @@ def _arms() -> tuple[list[Arm], list]:
   for r, d, kv, dep in itertools.product(FLAGS.rings, FLAGS.drafts, FLAGS.kv, FLAGS.depths):
     arms.append(Arm(f"R{r}-{d}-{kv}-D{dep}", r, d, kv, int(dep)))
   return arms, []
-
-
-def _commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-  except OSError:
-    return "unknown"
-
-
-def _device() -> str:
-  import jax
-  d = jax.devices()[0]
-  return f"{d.platform}:{getattr(d, 'device_kind', d.platform)}"
 
 
 def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
@@ -181,6 +166,7 @@ def main(argv):
   model.params = with_kernels(model.params, FLAGS.kernels)
   arms, bars = _arms()
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.cells)), exist_ok=True)
+  from decode.provenance import commit as _commit, device as _device
   commit, device = _commit(), _device()
   records = []
   with open(FLAGS.cells, "a") as out:

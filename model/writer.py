@@ -165,3 +165,32 @@ class _FakeFile:
 
   def has(self, name: str) -> bool:
     return False
+
+
+def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: int = 0, block_scale: float = 1e-3,
+                  progress: bool = False) -> dict:
+  """The params pytree `write_gguf` + `load_gguf` would give for a random model, built in memory (benchmarks on
+  full-size shapes skip the multi-GB file round trip; the loader's path is tested on the tiny files)."""
+  from model.gguf_io import _to_param
+  from ops import quant
+  types = types or float_policy("F16")
+  rng = np.random.default_rng(seed)
+  entries = sorted(tensor_map(cfg, _FakeFile(cfg)).items(), key=lambda e: _order(e[1][0]))
+  if progress:
+    from tqdm import tqdm
+    entries = tqdm(entries, desc="random params", unit="tensor")
+  params: dict = {}
+  for path, (tname, shape) in entries:
+    t = types(tname, shape)
+    if t in ("F32", "F16"):
+      arr = _random_float(tname, shape, rng, cfg).astype(np.float32 if t == "F32" else np.float16)
+    elif t == "BF16":
+      f = _random_float(tname, shape, rng, cfg)
+      arr = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(tuple(shape[:-1]) + (2 * shape[-1],))
+    else:
+      arr = quant.random_blocks(t, shape, rng, scale=block_scale)
+    node = params
+    for p in path[:-1]:
+      node = node.setdefault(p, {})
+    node[path[-1]] = _to_param(t, arr, shape)
+  return params

@@ -1,0 +1,129 @@
+"""`python -m decode.bench_step`: decode step time against ring capacity and depth, on a full-size shape.
+
+The ring is filled with random K/V up to `depth` (a step's cost depends on how many positions it reads, not
+on their values), then a jitted loop of `--steps` plain decode steps is timed after a warm-up. Params are
+random valid blocks built in memory (model.writer.random_params) of a preset's shape. Variants of one cell
+(kernels, attention implementation) run in the same process so they compare as ratios.
+
+  python -m decode.bench_step --preset qwen3moe-30b-a3b --rings 4096,32768,131072 --depths 1024
+  python -m decode.bench_step --preset qwen3moe-30b-a3b --rings 131072 --depths 1024,8192,32768,131072
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "qwen3moe-30b-a3b", "model shape (configs.presets)")
+flags.DEFINE_string("experts", "IQ3_S", "routed expert type")
+flags.DEFINE_string("other", "Q8_0", "other matrices' type")
+flags.DEFINE_list("rings", ["4096", "16384", "32768", "131072"], "ring capacities")
+flags.DEFINE_list("depths", ["1024"], "live positions before timing")
+flags.DEFINE_list("kernels", ["xla"], "quantized kernels: xla | pallas")
+flags.DEFINE_list("attn", ["auto"], "attention on the GPU: auto (the dispatcher's default) | ref | pallas")
+flags.DEFINE_string("kv", "int8", "KV dtype")
+flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
+flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
+flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
+
+
+def fill_ring(ring, depth: int, seed: int = 0):
+  """Random K/V (RoPE'd values are unit-scale) at positions [0, depth); length = depth."""
+  import jax
+  import jax.numpy as jnp
+  if depth > ring.window:
+    raise ValueError(f"depth {depth} exceeds the ring's window {ring.window}")
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  live = jnp.arange(ring.capacity) < depth
+  def rnd(key, like):
+    x = jax.random.normal(key, like.shape, jnp.float32)
+    if like.dtype == jnp.int8:
+      return jnp.where(live[None, :, None, None], jnp.clip(jnp.round(x * 40), -127, 127), 0).astype(jnp.int8)
+    return jnp.where(live[None, :, None, None], x, 0).astype(like.dtype)
+  ring = ring.replace(k=rnd(k1, ring.k), v=rnd(k2, ring.v), length=jnp.int32(depth))
+  if ring.k_scale is not None:
+    s = jnp.where(live[None, :, None], 1.0 / 40, 0.0).astype(jnp.float32)
+    ring = ring.replace(k_scale=jnp.broadcast_to(s, ring.k_scale.shape), v_scale=jnp.broadcast_to(s, ring.v_scale.shape))
+  return ring
+
+
+def time_steps(params, cfg, ring, steps: int, repeats: int) -> list[float]:
+  """Seconds per decode step (one value per repeat) of the jitted plain loop."""
+  import jax
+  import jax.numpy as jnp
+
+  from decode.engine import LoopState, decode_loop
+  from model import api
+  kw = dict(cfg=cfg, temperature=0.0, top_p=1.0)
+  base_len = int(ring.length)
+  out = []
+  ls = None
+  for r in range(repeats + 1):
+    st = api.ModelState(ring if ls is None else ls.model.ring.rewind(base_len))
+    ls = LoopState(st, jnp.zeros((steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1), jax.random.PRNGKey(0),
+                   jnp.zeros((), bool))
+    jax.block_until_ready(ls)
+    t0 = time.perf_counter()
+    ls = decode_loop(params, ls, jnp.int32(steps + 1), jnp.int32(-1), **kw)
+    jax.block_until_ready(ls)
+    if r:                                       # r == 0 compiles
+      out.append((time.perf_counter() - t0) / steps)
+    ring = None
+  return out
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  import jax
+  from tqdm import tqdm
+
+  from configs.presets import preset
+  from decode.kv_ring import KVRing
+  from model.writer import quant_policy, random_params
+  from ops import attention
+  from ops.qtensor import with_kernels
+  cfg = preset(FLAGS.preset)
+  t0 = time.time()
+  params = random_params(cfg, types=quant_policy(FLAGS.experts, FLAGS.other), progress=True)
+  print(f"params built in {time.time() - t0:.0f} s", file=sys.stderr)
+  from decode.provenance import commit as _commit, device as _device
+  commit, device = _commit(), _device()
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+  rows = []
+  cells = [(int(r), int(d), kn, at) for r in FLAGS.rings for d in FLAGS.depths for kn in FLAGS.kernels for at in FLAGS.attn
+           if int(d) <= int(r)]
+  with open(FLAGS.out, "a") as f:
+    for R, depth, kn, at in tqdm(cells, desc="cells", file=sys.stderr):
+      p = with_kernels(params, kn)
+      default_gpu = attention.DEFAULT_GPU_IMPL
+      if at != "auto":
+        attention.DEFAULT_GPU_IMPL = at          # read at trace time; caches are cleared after each cell
+      try:
+        ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)), depth)
+        ts = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats)
+      except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
+        print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+        continue
+      finally:
+        attention.DEFAULT_GPU_IMPL = default_gpu
+      ms = sorted(ts)[len(ts) // 2] * 1e3
+      rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
+             "attn": at, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "commit": commit, "device": device,
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+      f.write(json.dumps(rec) + "\n")
+      rows.append(rec)
+      jax.clear_caches()
+  print(f"\n{FLAGS.preset} ({FLAGS.experts} experts, {FLAGS.other} other, {FLAGS.kv} KV), {device}, commit {commit}, "
+        f"{FLAGS.steps} steps x {FLAGS.repeats}\n")
+  print("| ring | depth | kernels | attn | ms/step | tok/s |\n| ---: | ---: | --- | --- | ---: | ---: |")
+  for r in rows:
+    print(f"| {r['ring']} | {r['depth']} | {r['kernels']} | {r['attn']} | {r['ms_per_step']:.3f} | {1e3 / r['ms_per_step']:.1f} |")
+
+
+if __name__ == "__main__":
+  app.run(main)
