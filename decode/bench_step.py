@@ -25,6 +25,7 @@ flags.DEFINE_list("rings", ["4096", "16384", "32768", "131072"], "ring capacitie
 flags.DEFINE_list("depths", ["1024"], "live positions before timing")
 flags.DEFINE_list("kernels", ["xla"], "quantized kernels: xla | pallas")
 flags.DEFINE_list("attn", ["auto"], "attention on the GPU: auto (the dispatcher's default) | ref | pallas")
+flags.DEFINE_list("cells", None, "explicit cells ring:depth[:attn[:kernels]] (instead of the rings x depths grid)")
 flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
@@ -97,6 +98,11 @@ def main(argv):
   rows = []
   cells = [(int(r), int(d), kn, at) for r in FLAGS.rings for d in FLAGS.depths for kn in FLAGS.kernels for at in FLAGS.attn
            if int(d) <= int(r)]
+  if FLAGS.cells:
+    cells = []
+    for c in FLAGS.cells:
+      parts = c.split(":") + ["auto", FLAGS.kernels[0]][len(c.split(":")) - 2:]
+      cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2]))
   with open(FLAGS.out, "a") as f:
     for R, depth, kn, at in tqdm(cells, desc="cells", file=sys.stderr):
       p = with_kernels(params, kn)
