@@ -75,13 +75,67 @@ def decode_loop(params, ls: LoopState, n_max, eos_id, *, cfg: ModelConfig, tempe
   return jax.lax.while_loop(cond, body, ls)
 
 
-def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, scratch: int = 0) -> api.ModelState:
-  """The request's state: rings and, with gen.expert_slots, an empty expert cache."""
+def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, scratch: int = 0,
+               host: int | None = None) -> api.ModelState:
+  """The request's state: rings, a host tier of `host` positions when given, and, with gen.expert_slots, an
+  empty expert cache."""
   state = api.init_state(model.cfg, cap, gen.kv, mtp_window=mtp_window, scratch=scratch)
+  if host:
+    from decode.host_tier import HostTier, place_on_host
+    state = state.replace(host=place_on_host(HostTier.like(state.ring, host)))
   if gen.expert_slots:
     from decode import expert_cache
     state = state.replace(experts=expert_cache.create(model.params, model.cfg, gen.expert_slots, gen.expert_policy))
   return state
+
+
+PREFILL_CHUNK = 2048
+
+
+def prefill_chunked(params, prompt: list[int], state: api.ModelState, cfg: ModelConfig, chunk: int):
+  """The prompt in chunks of at most `chunk` tokens (a ring with a host tier needs chunk <= its window; long
+  prompts also bound the activations). Returns (last logits [1, V], hidden [T, D], state)."""
+  hs, logits = [], None
+  for a in range(0, len(prompt), chunk):
+    logits, h, state = api.prefill(params, jnp.asarray(prompt[a:a + chunk], jnp.int32), state, cfg=cfg, last_only=True)
+    hs.append(h)
+  return logits, (hs[0] if len(hs) == 1 else jnp.concatenate(hs)), state
+
+
+@dataclasses.dataclass
+class Started:
+  state: api.ModelState
+  logits: jax.Array       # [1, V] at the last prompt position
+  hidden: jax.Array       # [T, D] after output_norm
+  cap: int
+  grow: bool
+
+
+def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_window: int | None = None,
+                  ring_start: int | None = None) -> Started:
+  """Check the request, size the ring (and host tier), allocate the state and prefill the prompt.
+
+  k > 0 reserves k + 1 scratch slots for speculative overshoot. Without --kv_resident the ring is the smallest
+  power-of-two bucket from 1024 holding the request (or `ring_start` tokens, then grown); with a fixed R and
+  max_context > R, positions older than the ring's window live in the host tier."""
+  if not prompt:
+    raise RequestError("prompt: empty, expected at least one token")
+  slack = k + 1 if k else 0
+  need = len(prompt) + gen.max_new_tokens
+  fixed = gen.kv_resident is not None
+  max_ctx = gen.max_context or (ring_capacity(need + slack, gen.kv_resident) - slack)
+  if need > max_ctx:
+    raise RequestError(f"prompt: {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} = {need} exceeds "
+                       f"max_context {max_ctx}")
+  cap = ring_capacity((ring_start or need) + slack, gen.kv_resident)
+  if fixed and cap <= 2 * slack:
+    raise RequestError(f"kv_resident {cap} is too small for {k} drafts")
+  host = max_ctx + slack if fixed and max_ctx + slack > cap else None
+  state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=host)
+  window = state.ring.window
+  chunk = min(PREFILL_CHUNK, window) if host else PREFILL_CHUNK
+  logits, hidden, state = prefill_chunked(model.params, prompt, state, model.cfg, chunk)
+  return Started(state, logits, hidden, cap, grow=not fixed)
 
 
 def cache_stats(state: api.ModelState, n_tokens: int) -> dict | None:
@@ -117,22 +171,9 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   gen = dataclasses.replace(gen or GenConfig(), **kw)
   cfg, params, tok = model.cfg, model.params, model.tokenizer
   prompt = list(int(i) for i in prompt_ids)
-  if not prompt:
-    raise RequestError("prompt: empty, expected at least one token")
-  need = len(prompt) + gen.max_new_tokens
-  max_ctx = gen.max_context or ring_capacity(need, gen.kv_resident)
-  if need > max_ctx:
-    raise RequestError(f"prompt: {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} = {need} exceeds "
-                       f"max_context {max_ctx}")
-  # --kv_resident auto: the smallest power-of-two bucket from 1024 holding the request (or ring_start's bucket,
-  # then grown bucket by bucket as the request runs past it); a fixed R never grows.
-  cap = ring_capacity(need if eager else (ring_start or need), gen.kv_resident)
-  grow = gen.kv_resident is None
-  if not grow and max_ctx > cap:
-    raise RequestError(f"max_context {max_ctx} exceeds kv_resident {cap}: the host tier is not built yet")
-  state = init_state(model, cap, gen)
   t0 = time.perf_counter()
-  logits, _, state = api.prefill(params, jnp.asarray(prompt, jnp.int32), state, cfg=cfg, last_only=True)
+  st = start_request(model, prompt, gen, ring_start=None if eager else ring_start)
+  state, logits, cap, grow = st.state, st.logits, st.cap, st.grow
   key = jax.random.PRNGKey(gen.seed)
   key, sub = jax.random.split(key)
   first = sample(logits[-1], sub, gen.temperature, gen.top_p)
@@ -158,13 +199,15 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     t1 = time.perf_counter()
     buckets = [cap]
     while True:
-      # each step writes one position: stop the segment when the ring is full
-      room = ls.model.ring.capacity - int(ls.model.ring.length)
+      # each step writes one position: stop the segment when the ring is full (with a host tier it wraps)
+      room = n if ls.model.host is not None else ls.model.ring.capacity - int(ls.model.ring.length)
       ls = decode_loop(params, ls, jnp.int32(min(n, int(ls.n) + room)), jnp.int32(eos), **kwargs)
       if int(ls.n) >= n or bool(ls.done):
         break
-      if not grow:
+      if not grow and ls.model.host is None:
         raise RequestError(f"kv_resident {cap} is full after {int(ls.model.ring.length)} positions")
+      if not grow:
+        continue                  # the host tier takes what leaves the window: the ring wraps
       new_cap = ls.model.ring.capacity * 2
       ls = ls.replace(model=ls.model.replace(ring=ls.model.ring.grow(new_cap)))
       buckets.append(new_cap)

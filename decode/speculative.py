@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from decode import drafters
-from decode.engine import GenConfig, GenResult, RequestError, cache_stats, init_state, ring_capacity
+from decode.engine import GenConfig, GenResult, RequestError, cache_stats, start_request
 from decode.sampling import sample, target_probs
 from model import api
 from model.config import ModelConfig
@@ -60,8 +60,7 @@ def _draft_mtp(params, s: SpecState, key, *, cfg, k, temperature, top_p):
   J = ring.length
 
   def mtp(h, t, ring, ex):
-    out = api.mtp_forward(params, h, t, ring, cfg=cfg, experts=ex)
-    return out if ex is not None else out + (None,)
+    return api.mtp_forward(params, h, t, ring, cfg=cfg, experts=ex)
 
   logits, h, ring, ex = mtp(s.pend_h, s.pend_t, ring, ex)
   ring = ring.rewind(J + s.n_pend)
@@ -193,19 +192,10 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   if k < 1:
     raise RequestError(f"--mtp_draft: {k}, expected >= 1")
   prompt = [int(i) for i in prompt_ids]
-  if not prompt:
-    raise RequestError("prompt: empty, expected at least one token")
   T, n = len(prompt), gen.max_new_tokens
-  need = T + n
-  cap = ring_capacity(need + k + 1, gen.kv_resident)
-  max_ctx = gen.max_context or (cap - k - 1)
-  if need > max_ctx:
-    raise RequestError(f"prompt: {T} tokens + max_new_tokens {n} = {need} exceeds max_context {max_ctx}")
-  if need + k + 1 > cap:
-    raise RequestError(f"kv_resident {cap} holds {cap - k - 1} tokens with {k} drafts; the request needs {need}")
-  state = init_state(model, cap, gen, mtp_window=mtp_window if drafter == "mtp" else None, scratch=k + 1)
   t0 = time.perf_counter()
-  logits, hidden, state = api.prefill(params, jnp.asarray(prompt, jnp.int32), state, cfg=cfg, last_only=True)
+  st = start_request(model, prompt, gen, k=k, mtp_window=mtp_window if drafter == "mtp" else None)
+  state, logits, hidden, cap = st.state, st.logits, st.hidden, st.cap
   key = jax.random.PRNGKey(gen.seed)
   key, sub = jax.random.split(key)
   first = sample(logits[-1], sub, gen.temperature, gen.top_p)
@@ -214,11 +204,11 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   if drafter == "mtp" and T > 1:
     if state.experts is None:
       _, _, ring = api.mtp_step(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring, cfg=cfg)
+      state = state.replace(mtp_ring=ring)
     else:
       _, _, ring, ex = api.mtp_forward(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring,
                                        cfg=cfg, experts=state.experts)
-      state = state.replace(experts=ex)
-    state = state.replace(mtp_ring=ring)
+      state = state.replace(mtp_ring=ring, experts=ex)
   first.block_until_ready()
   ttft = time.perf_counter() - t0
   H = _hist_size(T + n + k + 2)

@@ -33,6 +33,7 @@ class ModelState:
   ring: KVRing                    # main K/V ring (capacity R static)
   mtp_ring: KVRing | None = None  # NextN drafter ring (capacity W static): entry j is the draft input at position j
   experts: object | None = None   # decode.expert_cache.ExpertCache (None: every expert resident)
+  host: object | None = None      # decode.host_tier.HostTier: positions older than the ring's window
 
 
 def init_state(cfg: ModelConfig, capacity: int, kv: str = "bf16", mtp_window: int | None = None,
@@ -64,13 +65,10 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only:
   """Run the trunk on T new tokens at positions ring.length + [0, T): (logits, hidden, state)."""
   ring = state.ring
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
-  out = Decoder(cfg).apply({"params": trunk_params(params)}, tokens_T.astype(jnp.int32), pos, ring,
-                           _block(ring, attn_block), last_only, state.experts)
-  logits, hidden, ring = out[:3]
-  state = state.replace(ring=ring.advance(tokens_T.shape[0]))
-  if state.experts is not None:
-    state = state.replace(experts=out[3])
-  return logits, hidden, state
+  logits, hidden, ring, experts, host = Decoder(cfg).apply(
+      {"params": trunk_params(params)}, tokens_T.astype(jnp.int32), pos, ring, _block(ring, attn_block), last_only,
+      state.experts, state.host)
+  return logits, hidden, state.replace(ring=ring.advance(tokens_T.shape[0]), experts=experts, host=host)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "last_only", "attn_block"), donate_argnames=("state",))
@@ -91,20 +89,17 @@ def mtp_forward(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConf
                 attn_block: int = ATTN_BLOCK, experts=None):
   """NextN block j over T entries: entry i pairs the target hidden state at position p = mtp_ring.length + i
   with the token at p + 1, runs at RoPE position p + 1 and predicts the token at p + 2.
-  Returns (logits [T, V], h [T, D] after shared_head_norm, ring advanced by T), plus the expert cache when
-  one is given."""
+  Returns (logits [T, V], h [T, D] after shared_head_norm, ring advanced by T, expert cache or None)."""
   pos = mtp_ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   head = params.get("output", params["token_embd"])
-  out = MTPBlock(cfg, j).apply({"params": params[f"mtp_{j}"]}, hidden_TD, tokens_T.astype(jnp.int32), pos,
-                               mtp_ring, params["token_embd"], head, _block(mtp_ring, attn_block), experts)
-  logits, h, ring = out[:3]
-  if experts is None:
-    return logits, h, ring.advance(tokens_T.shape[0])
-  return logits, h, ring.advance(tokens_T.shape[0]), out[3]
+  logits, h, ring, experts = MTPBlock(cfg, j).apply(
+      {"params": params[f"mtp_{j}"]}, hidden_TD, tokens_T.astype(jnp.int32), pos, mtp_ring, params["token_embd"], head,
+      _block(mtp_ring, attn_block), experts)
+  return logits, h, ring.advance(tokens_T.shape[0]), experts
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "j", "attn_block"), donate_argnames=("mtp_ring",))
 def mtp_step(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConfig, j: int = 0,
              attn_block: int = ATTN_BLOCK):
-  """Jitted `mtp_forward`."""
-  return mtp_forward(params, hidden_TD, tokens_T, mtp_ring, cfg=cfg, j=j, attn_block=attn_block)
+  """Jitted `mtp_forward` without an expert cache: (logits, h, ring)."""
+  return mtp_forward(params, hidden_TD, tokens_T, mtp_ring, cfg=cfg, j=j, attn_block=attn_block)[:3]

@@ -58,7 +58,7 @@ class Attention(nn.Module):
   rope_offset: int = 0     # RoPE position = ring position + offset (the NextN ring's entry j sits at position j+1)
 
   @nn.compact
-  def __call__(self, x_TD, pos_T, ring: KVRing | None, attn_block: int):
+  def __call__(self, x_TD, pos_T, ring: KVRing | None, attn_block: int, host=None):
     c = self.cfg
     D, Hq, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     wq = _param(self, "wq", _init, (Hq * Dh, D))
@@ -81,12 +81,27 @@ class Attention(nn.Module):
     if ring is None:
       o = _causal_attention(q, k, v.astype(jnp.float32), scale)
     else:
-      ring = ring.write(self.ring_layer, pos_T, k, v)
-      # the whole [L, R, ...] ring with a layer index (slicing ring.k[L] here would copy the layer every step);
+      L = self.ring_layer
+      if host is not None:
+        host = host.evict(ring, L, pos_T)          # positions leaving the ring's window, before any overwrite
+      ring = ring.write(L, pos_T, k, v)
       # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
-      o = attn_ops.ring_attention(q, ring.k, ring.v, ring.k_scale, ring.v_scale, pos_T,
-                                  ring.length + T + ring.scratch, block=attn_block, scale=scale, layer=self.ring_layer)
-    return linear(o.reshape(T, Hq * Dh), wo), ring
+      length = ring.length + T + ring.scratch
+      if host is None:
+        # the whole [L, R, ...] ring with a layer index (slicing ring.k[L] here would copy the layer every step)
+        o = attn_ops.ring_attention(q, ring.k, ring.v, ring.k_scale, ring.v_scale, pos_T, length,
+                                    block=attn_block, scale=scale, layer=L)
+      else:
+        o1, lse1 = attn_ops.attention_with_lse(q, ring.k, ring.v, ring.k_scale, ring.v_scale, pos_T, length, L,
+                                               block=attn_block, scale=scale)
+        # the tier shows positions < written - window: clip the queries' causal bound to its last position
+        hi = ring.length + T - ring.window - 1
+        q_hi = jnp.minimum(pos_T, hi)
+        o2, lse2 = attn_ops.attention_with_lse(q, host.k, host.v, host.k_scale, host.v_scale, q_hi, host.capacity, L,
+                                               block=attn_block, scale=scale)
+        lse2 = jnp.where((hi >= 0), lse2, -jnp.inf)
+        o = attn_ops.merge_lse(o1.reshape(T, Hq, Dh), lse1, o2.reshape(T, Hq, Dh), lse2)
+    return linear(o.reshape(T, Hq * Dh), wo), ring, host
 
 
 class DenseMLP(nn.Module):
@@ -181,17 +196,17 @@ class Block(nn.Module):
   rope_offset: int = 0
 
   @nn.compact
-  def __call__(self, x_TD, pos_T, ring, attn_block, ecache=None):
+  def __call__(self, x_TD, pos_T, ring, attn_block, ecache=None, host=None):
     c = self.cfg
     h = rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps)
-    a, ring = Attention(c, self.ring_layer, self.rope_offset, name="attn")(h, pos_T, ring, attn_block)
+    a, ring, host = Attention(c, self.ring_layer, self.rope_offset, name="attn")(h, pos_T, ring, attn_block, host)
     x = x_TD + a
     h = rms_norm(x, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps)
     if c.is_moe_layer(self.index):
       y, ecache = MoE(c, self.index, name="ffn")(h, ecache)
     else:
       y = DenseMLP(c, name="ffn")(h)
-    return x + y, ring, ecache
+    return x + y, ring, ecache, host
 
 
 def _embed(table, tokens_T):
@@ -201,26 +216,26 @@ def _embed(table, tokens_T):
 
 
 class Decoder(nn.Module):
-  """Trunk: embedding, blocks, output norm and head. Returns (logits [T, V], hidden [T, D], ring).
+  """Trunk: embedding, blocks, output norm and head.
 
-  `hidden` is the final hidden state after output_norm, which is what the NextN block consumes.
+  Returns (logits [T, V] (or [1, V] with last_only), hidden [T, D], ring, expert cache, host tier); the caches
+  come back updated (None stays None). `hidden` is the final hidden state after output_norm, which is what the
+  NextN block consumes.
   """
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, tokens_T, pos_T, ring: KVRing | None = None, attn_block: int = 256, last_only: bool = False,
-               ecache=None):
+               ecache=None, host=None):
     c = self.cfg
     embed = _param(self, "token_embd", _init, (c.vocab_size, c.d_model))
     x = _embed(embed, tokens_T)
     for i in range(c.n_layers):
-      x, ring, ecache = Block(c, i, i, name=f"blk_{i}")(x, pos_T, ring, attn_block, ecache)
+      x, ring, ecache, host = Block(c, i, i, name=f"blk_{i}")(x, pos_T, ring, attn_block, ecache, host)
     hidden = rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps)
     head = embed if c.tied_embeddings else _param(self, "output", _init, (c.vocab_size, c.d_model))
     logits = linear(hidden[-1:] if last_only else hidden, head)
-    if ecache is None:
-      return logits, hidden, ring
-    return logits, hidden, ring, ecache
+    return logits, hidden, ring, ecache, host
 
 
 class MTPBlock(nn.Module):
@@ -244,10 +259,8 @@ class MTPBlock(nn.Module):
     e = rms_norm(_embed(emb_tbl, tokens_T), _param(self, "enorm", _ones, (D,)), c.rms_eps)
     hh = rms_norm(hidden_TD, _param(self, "hnorm", _ones, (D,)), c.rms_eps)
     x = linear(jnp.concatenate([e, hh], axis=-1), _param(self, "eh_proj", _init, (D, 2 * D)))
-    x, ring, ecache = Block(c, c.n_layers + self.j, self.j, 1, name="blk")(x, pos_T, ring, attn_block, ecache)
+    x, ring, ecache, _ = Block(c, c.n_layers + self.j, self.j, 1, name="blk")(x, pos_T, ring, attn_block, ecache)
     h = rms_norm(x, _param(self, "shared_head_norm", _ones, (D,)), c.rms_eps)
     if self.has_variable("params", "shared_head_head"):
       head = self.get_variable("params", "shared_head_head")
-    if ecache is None:
-      return linear(h, head), h, ring
     return linear(h, head), h, ring, ecache

@@ -40,8 +40,9 @@ def _load_block(k_ring, v_ring, k_scale, v_scale, layer, start_slot, block):
   return k.astype(jnp.float32), v.astype(jnp.float32)
 
 
-def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale):
-  """The reference on a layer stack [L, R, Hkv, Dh] (scales [L, R, Hkv]) at layer `layer` (int32)."""
+def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, with_lse=False):
+  """The reference on a layer stack [L, R, Hkv, Dh] (scales [L, R, Hkv]) at layer `layer` (int32).
+  with_lse: also return the log-sum-exp of the scores [T, Hq] (-inf where no key was visible), for merging."""
   T, Hq, Dh = q_THD.shape
   _, R, Hkv, _ = k_ring.shape
   G = Hq // Hkv
@@ -70,7 +71,25 @@ def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, b
           jnp.zeros((T, Hkv, G, Dh), jnp.float32))
   m, l, acc = jax.lax.fori_loop(first_blk, last_blk + 1, body, init)
   out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  if with_lse:
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return out.reshape(T, Hq, Dh), lse.reshape(T, Hq)
   return out.reshape(T, Hq, Dh)
+
+
+def attention_with_lse(q_THD, k, v, k_scale, v_scale, q_pos_T, length, layer, *, block: int, scale: float):
+  """The reference over a layer stack, returning (out [T, Hq, Dh], lse [T, Hq]) for an exact merge."""
+  return _ref_core(q_THD, k, v, k_scale, v_scale, jnp.asarray(q_pos_T, jnp.int32), jnp.asarray(length, jnp.int32),
+                   jnp.asarray(layer, jnp.int32), block, scale, with_lse=True)
+
+
+def merge_lse(o1, lse1, o2, lse2):
+  """Exact merge of two attention partials over disjoint key sets (float32)."""
+  M = jnp.maximum(lse1, lse2)
+  M = jnp.where(jnp.isfinite(M), M, 0.0)
+  w1, w2 = jnp.exp(lse1 - M), jnp.exp(lse2 - M)
+  tot = w1 + w2
+  return (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(tot > 0, tot, 1.0)[..., None]
 
 
 def _stack(k_ring, v_ring, k_scale, v_scale, layer):

@@ -123,3 +123,29 @@ def test_fixed_ring_that_cannot_hold_the_request_is_refused():
   from decode.engine import RequestError
   with pytest.raises(RequestError, match="exceeds max_context 1024"):
     generate(_model(), list(range(1000)), max_new_tokens=60, kv_resident=1024)
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_host_tier_wrapping_ring_equals_full_cache(kv):
+  """R = 256 with max_context 1024: 600-token prompt (chunked prefill) and 60 generated tokens wrap the ring
+  twice; positions older than its window live in the host tier, merged exactly (log-sum-exp). Same greedy
+  tokens and logits within float tolerance of one ring holding everything."""
+  from decode.engine import GenConfig, start_request
+  m = _model()
+  prompt = [int(t) for t in np.random.default_rng(2).integers(0, 1024, 600)]
+  big = generate(m, prompt, max_new_tokens=60, stop_at_eos=False, kv=kv, kv_resident=2048)
+  small = generate(m, prompt, max_new_tokens=60, stop_at_eos=False, kv=kv, kv_resident=256, max_context=1024)
+  assert small.ids == big.ids
+  logits = []
+  for gen in (GenConfig(max_new_tokens=8, kv=kv, kv_resident=2048),
+              GenConfig(max_new_tokens=8, kv=kv, kv_resident=256, max_context=1024)):
+    st = start_request(m, prompt, gen)
+    assert (st.state.host is None) == (gen.kv_resident == 2048)
+    out, state = [np.asarray(st.logits)], st.state
+    for t in big.ids[:8]:
+      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg)
+      out.append(np.asarray(l)[None])
+    logits.append(np.concatenate(out))
+  err = llama_ref.rel_l2(logits[1], logits[0])
+  print(f"\nhost tier vs one ring ({kv}): logits rel L2 {err:.2e}")
+  assert err < 1e-5
