@@ -6,7 +6,8 @@
     < 5e-2 with the same argmax at >= 90 % of 64 positions (llama.cpp multiplies quantized weights with
     8-bit-quantized activations, so even an exact implementation sits 1-2e-2 away on a random tiny model);
 (c) 32 greedy tokens equal llama.cpp's on the F16 files;
-(d) the NextN block against the float64 forward (llama-cpp-python 0.3.36 exposes no MTP logits).
+(d) the NextN block against the float64 forward, and against llama.cpp's own MTP context (reached through
+    llama-cpp-python's low-level API, tests/test_ref_forward.py::_llama_eval) on the same entries.
 Measured values are printed (pytest -s shows them).
 """
 from __future__ import annotations
@@ -98,3 +99,18 @@ def test_nextn_block_vs_float64_forward(kind):
   assert err < 1e-3
   assert llama_ref.rel_l2(np.asarray(h), ref_h) < 1e-3
   assert int(ring.length) == T - 1
+
+
+def test_nextn_block_vs_llama_cpp_mtp_context():
+  """Our NextN logits against llama.cpp's MTP graph (f32 file, f32 KV, no flash attention): entries
+  (h_j, t_{j+1}) at positions j + 1, our layout (llama.cpp's own drafter adds a zero-hidden entry at 0)."""
+  from tests.test_ref_forward import _llama_eval
+  m, _, hidden = _ours("glm4moe", "F32")
+  toks = _tokens()[:32]
+  ring = api.init_state(m.cfg, 256, "f32", mtp_window=256).mtp_ring
+  logits, _, _ = api.mtp_step(m.params, jnp.asarray(hidden[:31]), jnp.asarray(toks[1:32], jnp.int32), ring, cfg=m.cfg)
+  lc, _ = _llama_eval(model_path("glm4moe", "F32"), toks[1:32], f32_kv=True, hidden=hidden[:31], pos0=1)
+  err = llama_ref.rel_l2(np.asarray(logits), lc)
+  print(f"\nglm4moe NextN vs llama.cpp MTP context: rel L2 {err:.2e}")
+  assert err < 1e-4
+  assert (np.asarray(logits).argmax(-1) == lc.argmax(-1)).all()

@@ -257,9 +257,9 @@ _QUIET_LOG = None
 
 
 def _llama_eval(path: str, tokens: list[int], *, f32_kv: bool = False,
-                hidden: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-  """llama.cpp over `tokens` at positions 0..T-1 in one batch, every position an output, through the low-level
-  API of llama-cpp-python: (logits [T, V], h_nextn [T, D] or None).
+                hidden: np.ndarray | None = None, pos0: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+  """llama.cpp over `tokens` at positions pos0..pos0+T-1 in one batch, every position an output, through the
+  low-level API of llama-cpp-python: (logits [T, V], h_nextn [T, D] or None).
 
   hidden=None: the trunk (a default context); h_nextn is the hidden state after output_norm (glm4moe only).
   hidden [T, D]: the NextN block, through an MTP context (LLAMA_CONTEXT_TYPE_MTP) on a model loaded with
@@ -310,7 +310,7 @@ def _llama_eval(path: str, tokens: list[int], *, f32_kv: bool = False,
     keep = []
     for j, t in enumerate(tokens):
       idx = C.llama_batch_ext_add_token(batch, 0, int(t))
-      pos = (ctypes.c_int32 * 4)(j, 0, 0, 0)
+      pos = (ctypes.c_int32 * 4)(pos0 + j, 0, 0, 0)
       keep.append(pos)
       assert C.llama_batch_ext_set_pos(batch, idx, pos)
       if mtp:
