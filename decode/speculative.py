@@ -14,6 +14,16 @@ n tokens at position P, entries P .. P + n are *pending*: their true hidden stat
 and the next round's first drafter call writes them (k + 1 slots, the first n_pend valid) before drafting.
 Depth i > 1 reuses the block on its own output hidden state; those speculative entries are dropped by
 rewinding the drafter ring to P.
+
+>>> from decode.engine import generate
+>>> from model.loader import default_model_path, load_model
+>>> m = load_model(default_model_path())
+>>> p = m.tokenizer.encode("def")
+>>> r = speculative_generate(m, p, drafter="mtp", k=2, max_new_tokens=12)
+>>> r.ids == generate(m, p, max_new_tokens=12).ids
+True
+>>> len(r.stats["drafts_accepted"])                  # accepted drafts per draft position
+2
 """
 from __future__ import annotations
 

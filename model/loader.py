@@ -31,8 +31,9 @@ def _tokenizer_md(md: dict) -> dict:
 def load_model(path: str, cache_dir: str | None = None) -> LoadedModel:
   """Load `path`; with `cache_dir`, read the orbax entry if one exists, else parse GGUF and write the entry.
 
-  >>> m = load_model(default_model_path())            # doctest: +SKIP
-  >>> m.cfg.arch, m.tokenizer.encode("hello")[:3]     # doctest: +SKIP
+  >>> m = load_model(default_model_path())
+  >>> m.cfg.arch, m.cfg.n_nextn
+  ('glm4moe', 1)
   """
   from model.tokenizer import Tokenizer
   t0 = time.perf_counter()
