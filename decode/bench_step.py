@@ -43,12 +43,15 @@ def fill_ring(ring, depth: int, seed: int = 0):
   def rnd(key, like):
     x = jax.random.normal(key, like.shape, jnp.float32)
     if like.dtype == jnp.int8:
-      return jnp.where(live[None, :, None, None], jnp.clip(jnp.round(x * 40), -127, 127), 0).astype(jnp.int8)
-    return jnp.where(live[None, :, None, None], x, 0).astype(like.dtype)
-  ring = ring.replace(k=rnd(k1, ring.k), v=rnd(k2, ring.v), length=jnp.int32(depth))
+      return jnp.where(live[:, None, None], jnp.clip(jnp.round(x * 40), -127, 127), 0).astype(jnp.int8)
+    return jnp.where(live[:, None, None], x, 0).astype(like.dtype)
+  keys = jax.random.split(k1, 2 * ring.n_layers)
+  ring = ring.replace(k=tuple(rnd(keys[2 * i], a) for i, a in enumerate(ring.k)),
+                      v=tuple(rnd(keys[2 * i + 1], a) for i, a in enumerate(ring.v)), length=jnp.int32(depth))
   if ring.k_scale is not None:
-    s = jnp.where(live[None, :, None], 1.0 / 40, 0.0).astype(jnp.float32)
-    ring = ring.replace(k_scale=jnp.broadcast_to(s, ring.k_scale.shape), v_scale=jnp.broadcast_to(s, ring.v_scale.shape))
+    s = jnp.where(live[:, None], 1.0 / 40, 0.0).astype(jnp.float32)
+    ring = ring.replace(k_scale=tuple(jnp.broadcast_to(s, a.shape) + 0 for a in ring.k_scale),
+                        v_scale=tuple(jnp.broadcast_to(s, a.shape) + 0 for a in ring.v_scale))
   return ring
 
 

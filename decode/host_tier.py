@@ -19,22 +19,25 @@ from decode.kv_ring import KVRing
 
 @struct.dataclass
 class HostTier:
-  k: jax.Array                  # [L, C, Hkv, Dh]
-  v: jax.Array
-  k_scale: jax.Array | None     # [L, C, Hkv] (int8)
-  v_scale: jax.Array | None
+  k: tuple                      # L x [C, Hkv, Dh] (like the ring: one array per layer)
+  v: tuple
+  k_scale: tuple | None         # L x [C, Hkv] (int8)
+  v_scale: tuple | None
   capacity: int = struct.field(pytree_node=False)
 
   @classmethod
   def like(cls, ring: KVRing, capacity: int) -> "HostTier":
-    shape = (ring.k.shape[0], capacity) + ring.k.shape[2:]
-    sc = (jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32)) if ring.k_scale is not None else (None, None)
-    return cls(jnp.zeros(shape, ring.k.dtype), jnp.zeros(shape, ring.v.dtype), *sc, capacity)
+    z = lambda t: None if t is None else tuple(jnp.zeros((capacity,) + a.shape[1:], a.dtype) for a in t)  # noqa: E731
+    return cls(z(ring.k), z(ring.v), z(ring.k_scale), z(ring.v_scale), capacity)
 
   @property
   def nbytes(self) -> int:
-    n = self.k.size * self.k.dtype.itemsize * 2
-    return int(n + (self.k_scale.size * 8 if self.k_scale is not None else 0))
+    arrs = list(self.k) + list(self.v) + list(self.k_scale or ()) + list(self.v_scale or ())
+    return int(sum(a.size * a.dtype.itemsize for a in arrs))
+
+  def layer(self, i: int):
+    return (self.k[i], self.v[i], None if self.k_scale is None else self.k_scale[i],
+            None if self.v_scale is None else self.v_scale[i])
 
   def evict(self, ring: KVRing, layer: int, pos_T: jax.Array) -> "HostTier":
     """Copy positions pos_T - W (those >= 0) of `layer` from the ring (before pos_T overwrite anything)."""
@@ -44,10 +47,10 @@ class HostTier:
     src = jnp.where(ok, old, 0) % R
     dst = jnp.where(ok, old, self.capacity)            # out of bounds: dropped
 
-    def copy(tier_a, ring_a):
-      if tier_a is None:
+    def copy(tier, rng):
+      if tier is None:
         return None
-      return tier_a.at[layer, dst].set(ring_a[layer, src], mode="drop")
+      return tier[:layer] + (tier[layer].at[dst].set(rng[layer][src], mode="drop"),) + tier[layer + 1:]
 
     return self.replace(k=copy(self.k, ring.k), v=copy(self.v, ring.v), k_scale=copy(self.k_scale, ring.k_scale),
                         v_scale=copy(self.v_scale, ring.v_scale))

@@ -15,12 +15,19 @@ KV_DTYPES = ("f32", "bf16", "int8")
 _STORE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
 
 
+def _set(t: tuple, i: int, a) -> tuple:
+  return t[:i] + (a,) + t[i + 1:]
+
+
 @struct.dataclass
 class KVRing:
-  k: jax.Array                  # [L, R, Hkv, Dh] (f32 | bf16 | int8)
-  v: jax.Array                  # [L, R, Hkv, Dh]
-  k_scale: jax.Array | None     # [L, R, Hkv] float32 (int8 only)
-  v_scale: jax.Array | None
+  # One array per layer (a tuple), not one [L, R, ...] stack: a layer is its own buffer, so attention reads it
+  # without a slice copy, and a kernel's element offsets stay within one layer (R x Hkv x Dh), far from the
+  # 2**31 where 32-bit offsets overflow at large capacities.
+  k: tuple                      # L x [R, Hkv, Dh] (f32 | bf16 | int8)
+  v: tuple                      # L x [R, Hkv, Dh]
+  k_scale: tuple | None         # L x [R, Hkv] float32 (int8 only)
+  v_scale: tuple | None
   length: jax.Array             # int32 scalar: positions written so far (next position to write)
   capacity: int = struct.field(pytree_node=False)
   dtype: str = struct.field(pytree_node=False)
@@ -36,12 +43,13 @@ class KVRing:
       raise ValueError(f"KVRing: kv dtype {dtype!r} is not one of {KV_DTYPES}")
     if capacity <= 0 or capacity % block:
       raise ValueError(f"KVRing: capacity {capacity} must be a positive multiple of the attention block {block}")
-    shape = (n_layers, capacity, n_kv_heads, head_dim)
-    k = jnp.zeros(shape, _STORE[dtype])
-    scales = (jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape[:-1], jnp.float32)) if dtype == "int8" else (None, None)
     if not 0 <= scratch < capacity:
       raise ValueError(f"KVRing: scratch {scratch} must be in [0, capacity {capacity})")
-    return cls(k, jnp.zeros(shape, _STORE[dtype]), *scales, jnp.zeros((), jnp.int32), capacity, dtype, scratch)
+    shape = (capacity, n_kv_heads, head_dim)
+    zeros = lambda shp, dt: tuple(jnp.zeros(shp, dt) for _ in range(n_layers))  # noqa: E731
+    scales = (zeros(shape[:-1], jnp.float32), zeros(shape[:-1], jnp.float32)) if dtype == "int8" else (None, None)
+    return cls(zeros(shape, _STORE[dtype]), zeros(shape, _STORE[dtype]), *scales, jnp.zeros((), jnp.int32), capacity,
+               dtype, scratch)
 
   @property
   def window(self) -> int:
@@ -50,14 +58,17 @@ class KVRing:
 
   @property
   def n_layers(self) -> int:
-    return self.k.shape[0]
+    return len(self.k)
 
   @property
   def nbytes(self) -> int:
-    n = self.k.size * self.k.dtype.itemsize * 2
-    if self.k_scale is not None:
-      n += self.k_scale.size * 4 * 2
-    return int(n)
+    arrs = list(self.k) + list(self.v) + list(self.k_scale or ()) + list(self.v_scale or ())
+    return int(sum(a.size * a.dtype.itemsize for a in arrs))
+
+  def layer(self, i: int):
+    """(k, v, k_scale, v_scale) of layer i."""
+    return (self.k[i], self.v[i], None if self.k_scale is None else self.k_scale[i],
+            None if self.v_scale is None else self.v_scale[i])
 
   def write(self, layer: int, pos_T: jax.Array, k_THD: jax.Array, v_THD: jax.Array) -> "KVRing":
     """Store T new rows of one layer at positions pos_T (slots pos mod R). Does not advance `length`."""
@@ -65,10 +76,13 @@ class KVRing:
     if self.dtype == "int8":
       kq, ks = quantize_int8(k_THD)
       vq, vs = quantize_int8(v_THD)
-      return self.replace(k=self.k.at[layer, slots].set(kq), v=self.v.at[layer, slots].set(vq),
-                          k_scale=self.k_scale.at[layer, slots].set(ks), v_scale=self.v_scale.at[layer, slots].set(vs))
+      return self.replace(k=_set(self.k, layer, self.k[layer].at[slots].set(kq)),
+                          v=_set(self.v, layer, self.v[layer].at[slots].set(vq)),
+                          k_scale=_set(self.k_scale, layer, self.k_scale[layer].at[slots].set(ks)),
+                          v_scale=_set(self.v_scale, layer, self.v_scale[layer].at[slots].set(vs)))
     dt = _STORE[self.dtype]
-    return self.replace(k=self.k.at[layer, slots].set(k_THD.astype(dt)), v=self.v.at[layer, slots].set(v_THD.astype(dt)))
+    return self.replace(k=_set(self.k, layer, self.k[layer].at[slots].set(k_THD.astype(dt))),
+                        v=_set(self.v, layer, self.v[layer].at[slots].set(v_THD.astype(dt))))
 
   def grow(self, capacity: int) -> "KVRing":
     """The same live positions in a larger ring (the next bucket): slot p mod R moves to slot p mod R'."""
@@ -79,11 +93,10 @@ class KVRing:
     pos = L - 1 - jnp.mod(L - 1 - s, R)                    # position held by each old slot
     dst = jnp.where(pos >= 0, pos % capacity, capacity)     # dead slots go out of bounds (dropped)
 
-    def move(a):
-      if a is None:
+    def move(t):
+      if t is None:
         return None
-      new = jnp.zeros((a.shape[0], capacity) + a.shape[2:], a.dtype)
-      return new.at[:, dst].set(a, mode="drop")
+      return tuple(jnp.zeros((capacity,) + a.shape[1:], a.dtype).at[dst].set(a, mode="drop") for a in t)
 
     return KVRing(move(self.k), move(self.v), move(self.k_scale), move(self.v_scale), L, capacity, self.dtype,
                   self.scratch)

@@ -88,17 +88,14 @@ class Attention(nn.Module):
       # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
       length = ring.length + T + ring.scratch
       if host is None:
-        # the whole [L, R, ...] ring with a layer index (slicing ring.k[L] here would copy the layer every step)
-        o = attn_ops.ring_attention(q, ring.k, ring.v, ring.k_scale, ring.v_scale, pos_T, length,
-                                    block=attn_block, scale=scale, layer=L)
+        o = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale)
       else:
-        o1, lse1 = attn_ops.attention_with_lse(q, ring.k, ring.v, ring.k_scale, ring.v_scale, pos_T, length, L,
-                                               block=attn_block, scale=scale)
+        o1, lse1 = attn_ops.attention_with_lse(q, *ring.layer(L), pos_T, length, None, block=attn_block, scale=scale)
         # the tier shows positions < written - window: clip the queries' causal bound to its last position
         hi = ring.length + T - ring.window - 1
         q_hi = jnp.minimum(pos_T, hi)
-        o2, lse2 = attn_ops.attention_with_lse(q, host.k, host.v, host.k_scale, host.v_scale, q_hi, host.capacity, L,
-                                               block=attn_block, scale=scale)
+        o2, lse2 = attn_ops.attention_with_lse(q, *host.layer(L), q_hi, host.capacity, None, block=attn_block,
+                                               scale=scale)
         lse2 = jnp.where((hi >= 0), lse2, -jnp.inf)
         o = attn_ops.merge_lse(o1.reshape(T, Hq, Dh), lse1, o2.reshape(T, Hq, Dh), lse2)
     return linear(o.reshape(T, Hq * Dh), wo), ring, host

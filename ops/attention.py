@@ -77,10 +77,12 @@ def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, b
   return out.reshape(T, Hq, Dh)
 
 
-def attention_with_lse(q_THD, k, v, k_scale, v_scale, q_pos_T, length, layer, *, block: int, scale: float):
-  """The reference over a layer stack, returning (out [T, Hq, Dh], lse [T, Hq]) for an exact merge."""
+def attention_with_lse(q_THD, k, v, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int, scale: float):
+  """The reference over one layer (layer None) or a stack, returning (out [T, Hq, Dh], lse [T, Hq]) for an
+  exact merge of partial attentions."""
+  k, v, k_scale, v_scale, layer = _stack(k, v, k_scale, v_scale, layer)
   return _ref_core(q_THD, k, v, k_scale, v_scale, jnp.asarray(q_pos_T, jnp.int32), jnp.asarray(length, jnp.int32),
-                   jnp.asarray(layer, jnp.int32), block, scale, with_lse=True)
+                   layer, block, scale, with_lse=True)
 
 
 def merge_lse(o1, lse1, o2, lse2):

@@ -77,7 +77,8 @@ def test_layer_stack_equals_one_layer():
   for impl in ("ref", "interpret"):
     one = ring_attention(q, *_layer(ring, 1), pos, 150, block=32, scale=SCALE, impl=impl)
     f = jax.jit(functools.partial(ring_attention, block=32, scale=SCALE, impl=impl))
-    stack = f(q, ring.k, ring.v, ring.k_scale, ring.v_scale, pos, 150, layer=jnp.int32(1))
+    stack = f(q, jnp.stack(ring.k), jnp.stack(ring.v), jnp.stack(ring.k_scale), jnp.stack(ring.v_scale), pos, 150,
+              layer=jnp.int32(1))
     np.testing.assert_array_equal(np.asarray(stack), np.asarray(one))
 
 
@@ -150,7 +151,7 @@ def test_reads_only_live_blocks(impl):
   (In a wrapped ring every slot is live; there the visit counts above show the range.)"""
   R, depth, T = 256, 100, 2
   ring = _ring(R, depth, "f32", 2)
-  nan = jnp.full_like(ring.v[0, 128:], jnp.nan)
+  nan = jnp.full_like(ring.v[0][128:], jnp.nan)
   k, v = ring.k[0].at[128:].set(nan), ring.v[0].at[128:].set(nan)          # slots 128.. are positions 128..
   q, pos = _q(T, 4), _pos(T, depth)
   out = ring_attention(q, k, v, None, None, pos, depth, block=32, scale=SCALE, impl=impl)
