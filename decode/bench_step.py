@@ -107,7 +107,11 @@ def main(argv):
       parts = c.split(":") + ["auto", FLAGS.kernels[0]][len(c.split(":")) - 2:]
       cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2]))
   with open(FLAGS.out, "a") as f:
+    prev = None
     for R, depth, kn, at in tqdm(cells, desc="cells", file=sys.stderr):
+      if prev is not None and prev != (kn, at):
+        jax.clear_caches()                      # the attention choice is read at trace time
+      prev = (kn, at)
       p = with_kernels(params, kn)
       default_gpu = attention.DEFAULT_GPU_IMPL
       if at != "auto":
@@ -125,8 +129,9 @@ def main(argv):
              "attn": at, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "commit": commit, "device": device,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
       f.write(json.dumps(rec) + "\n")
+      f.flush()
       rows.append(rec)
-      jax.clear_caches()
+      print(f"R={R} depth={depth} {kn}/{at}: {ms:.3f} ms/step", file=sys.stderr)
   print(f"\n{FLAGS.preset} ({FLAGS.experts} experts, {FLAGS.other} other, {FLAGS.kv} KV), {device}, commit {commit}, "
         f"{FLAGS.steps} steps x {FLAGS.repeats}\n")
   print("| ring | depth | kernels | attn | ms/step | tok/s |\n| ---: | ---: | --- | --- | ---: | ---: |")
