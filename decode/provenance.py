@@ -6,7 +6,10 @@ import subprocess
 
 
 def commit() -> str:
-  """Short hash of HEAD, with '+dirty' when the tree has uncommitted changes."""
+  """Short hash of HEAD, with '+dirty' when the tree has uncommitted changes; $MOEJAX_COMMIT where there is
+  no git (the device machine receives a copy of the tree without it)."""
+  if os.environ.get("MOEJAX_COMMIT"):
+    return os.environ["MOEJAX_COMMIT"]
   here = os.path.dirname(os.path.abspath(__file__))
   try:
     h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
