@@ -26,9 +26,11 @@ flags.DEFINE_string("gguf", None, "model file (default: --preset's synthetic fil
 flags.DEFINE_string("preset", None, "write/reuse a synthetic file of this preset (configs.synth) under --synth_dir")
 flags.DEFINE_string("synth_dir", "/tmp/moejax-synth", "where synthetic files are written")
 flags.DEFINE_string("experts", "IQ3_S", "expert type of the synthetic file")
+flags.DEFINE_bool("in_memory", False, "with --preset: random valid blocks built in memory instead of a GGUF file "
+                  "(same params as writing and loading the synthetic file, without the multi-GB round trip)")
 flags.DEFINE_string("arms", None, "named arm set: seed4 | rings | depths | drafts (overrides the list flags)")
 flags.DEFINE_list("rings", ["auto"], "main ring capacities (kv_resident)")
-flags.DEFINE_list("drafts", ["none"], "drafters: none | mtp | lookup | replay")
+flags.DEFINE_list("drafts", ["none"], "drafters: none | mtp | lookup | replay, each optionally @k (drafts per round)")
 flags.DEFINE_list("kv", ["int8"], "KV dtypes")
 flags.DEFINE_list("depths", ["1024"], "prompt tokens (depth)")
 flags.DEFINE_integer("max_new_tokens", 256, "generated tokens per cell")
@@ -48,6 +50,7 @@ class Arm:
   draft: str = "none"
   kv: str = "int8"
   depth: int = 1024
+  k: int | None = None      # drafts per round (None: --mtp_draft)
 
 
 # The seed report (#3166): ring 32,768 vs 49,152, MTP on vs off, 1,024-token prompt, 256 tokens, int8 KV.
@@ -55,19 +58,38 @@ class Arm:
 # and with replay (100 % acceptance); "off" arms use lookup, as the seed engine did.
 SEED4 = [Arm("AS", "32768", "mtp"), Arm("BS", "49152", "mtp"), Arm("AR", "32768", "replay"), Arm("BR", "49152", "replay"),
          Arm("AN", "32768", "lookup"), Arm("BN", "49152", "lookup")]
+# seed4 plus plain arms (the round-vs-step ratio) and a k sweep with replay (issue 5's benchmark), one process.
+SEED4K = [Arm("AP", "32768", "none"), Arm("BP", "49152", "none")] + SEED4 + [
+    Arm(f"AR{k}", "32768", "replay", k=k) for k in (1, 2, 4)]
 SEED4_BARS = [("AS", "BS", 0.03, "decode tok/s"), ("AR", "BR", 0.03, "decode tok/s"), ("AN", "BN", 0.03, "decode tok/s"),
               ("AS", "BS", 0.0, "drafts accepted"), ("AN", "BN", 0.0, "drafts accepted")]
 
 
 def _arms() -> tuple[list[Arm], list]:
-  if FLAGS.arms == "seed4":
-    return [dataclasses.replace(a, depth=int(FLAGS.depths[0])) for a in SEED4], SEED4_BARS
+  if FLAGS.arms in ("seed4", "seed4k"):
+    arms = SEED4 if FLAGS.arms == "seed4" else SEED4K
+    return [dataclasses.replace(a, depth=int(FLAGS.depths[0])) for a in arms], SEED4_BARS + [("AP", "BP", 0.03, "decode tok/s")]
   if FLAGS.arms not in (None, "", "grid"):
-    raise app.UsageError(f"--arms {FLAGS.arms!r}: known sets are seed4 (or give --rings/--drafts/--kv/--depths)")
+    raise app.UsageError(f"--arms {FLAGS.arms!r}: known sets are seed4, seed4k (or give --rings/--drafts/--kv/--depths)")
   arms = []
   for r, d, kv, dep in itertools.product(FLAGS.rings, FLAGS.drafts, FLAGS.kv, FLAGS.depths):
-    arms.append(Arm(f"R{r}-{d}-{kv}-D{dep}", r, d, kv, int(dep)))
+    name, _, k = d.partition("@")
+    arms.append(Arm(f"R{r}-{d}-{kv}-D{dep}", r, name, kv, int(dep), int(k) if k else None))
   return arms, []
+
+
+def _in_memory_model(name: str, experts: str):
+  """A LoadedModel of random valid blocks in a preset's shape, with the shipped vocab padded to its size."""
+  from configs.presets import preset
+  from configs.vocab import load_vocab
+  from model.loader import LoadedModel
+  from model.tokenizer import Tokenizer
+  from model.writer import pad_vocab, quant_policy, random_params
+  cfg = preset(name)
+  t0 = time.time()
+  params = random_params(cfg, types=quant_policy(experts, "Q8_0"), progress=True)
+  tok = Tokenizer.from_metadata(pad_vocab(load_vocab(1024), cfg.vocab_size).metadata())
+  return LoadedModel(cfg, params, tok, f"in-memory:{name}", False, time.time() - t0)
 
 
 def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
@@ -82,8 +104,8 @@ def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
     res = generate(model, prompt, gen)
   else:
     replay = generate(model, prompt, gen).ids if arm.draft == "replay" else None
-    res = speculative_generate(model, prompt, gen, drafter=arm.draft, k=FLAGS.mtp_draft, mtp_window=FLAGS.mtp_window,
-                               replay_ids=replay)
+    res = speculative_generate(model, prompt, gen, drafter=arm.draft, k=arm.k or FLAGS.mtp_draft,
+                               mtp_window=FLAGS.mtp_window, replay_ids=replay)
   st = dict(res.stats)
   st["prefill_tok_s"] = arm.depth / st["ttft_s"] if st["ttft_s"] else 0.0
   return st
@@ -155,14 +177,18 @@ def main(argv):
   from model.loader import default_model_path, load_model
   from ops.qtensor import with_kernels
   path = FLAGS.gguf
-  if path is None and FLAGS.preset:
+  if path is None and FLAGS.preset and FLAGS.in_memory:
+    model = _in_memory_model(FLAGS.preset, FLAGS.experts)
+    path = f"in-memory:{FLAGS.preset}:{FLAGS.experts}"
+  elif path is None and FLAGS.preset:
     from configs import synth
     os.makedirs(FLAGS.synth_dir, exist_ok=True)
     path = os.path.join(FLAGS.synth_dir, f"{FLAGS.preset}-{FLAGS.experts}.gguf")
     if not os.path.isfile(path):
       synth.write(FLAGS.preset, path, experts=FLAGS.experts)
-  path = path or default_model_path()
-  model = load_model(path)
+  if not path or not path.startswith("in-memory"):
+    path = path or default_model_path()
+    model = load_model(path)
   model.params = with_kernels(model.params, FLAGS.kernels)
   arms, bars = _arms()
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.cells)), exist_ok=True)
