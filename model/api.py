@@ -26,6 +26,9 @@ from model.config import ModelConfig
 from model.transformer import Decoder, MTPBlock
 
 ATTN_BLOCK = 256
+# Float32 matmuls at full precision: XLA's default on GPUs is TF32, whose error (~1e-3 relative) differs between
+# a 1-row step and a (k+1)-row verify pass and flips near-tied routing decisions (docs/PERF.md, GPU probe).
+MATMUL_PRECISION = "highest"
 
 
 @struct.dataclass
@@ -65,9 +68,10 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only:
   """Run the trunk on T new tokens at positions ring.length + [0, T): (logits, hidden, state)."""
   ring = state.ring
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
-  logits, hidden, ring, experts, host = Decoder(cfg).apply(
-      {"params": trunk_params(params)}, tokens_T.astype(jnp.int32), pos, ring, _block(ring, attn_block), last_only,
-      state.experts, state.host)
+  with jax.default_matmul_precision(MATMUL_PRECISION):
+    logits, hidden, ring, experts, host = Decoder(cfg).apply(
+        {"params": trunk_params(params)}, tokens_T.astype(jnp.int32), pos, ring, _block(ring, attn_block), last_only,
+        state.experts, state.host)
   return logits, hidden, state.replace(ring=ring.advance(tokens_T.shape[0]), experts=experts, host=host)
 
 
@@ -92,9 +96,10 @@ def mtp_forward(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConf
   Returns (logits [T, V], h [T, D] after shared_head_norm, ring advanced by T, expert cache or None)."""
   pos = mtp_ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   head = params.get("output", params["token_embd"])
-  logits, h, ring, experts = MTPBlock(cfg, j).apply(
-      {"params": params[f"mtp_{j}"]}, hidden_TD, tokens_T.astype(jnp.int32), pos, mtp_ring, params["token_embd"], head,
-      _block(mtp_ring, attn_block), experts)
+  with jax.default_matmul_precision(MATMUL_PRECISION):
+    logits, h, ring, experts = MTPBlock(cfg, j).apply(
+        {"params": params[f"mtp_{j}"]}, hidden_TD, tokens_T.astype(jnp.int32), pos, mtp_ring, params["token_embd"],
+        head, _block(mtp_ring, attn_block), experts)
   return logits, h, ring.advance(tokens_T.shape[0]), experts
 
 
