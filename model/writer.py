@@ -85,6 +85,18 @@ def _random_float(name: str, shape: tuple[int, ...], rng: np.random.Generator, c
   return (gain * rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
 
 
+def _random_tensor(tname: str, shape: tuple[int, ...], t: str, rng: np.random.Generator, cfg: ModelConfig,
+                   block_scale: float) -> np.ndarray:
+  """One tensor as the file stores it: F32/F16 values, BF16 raw bytes, or random valid quantized blocks."""
+  from ops import quant
+  if t in ("F32", "F16"):
+    return _random_float(tname, shape, rng, cfg).astype(np.float32 if t == "F32" else np.float16)
+  if t == "BF16":
+    f = _random_float(tname, shape, rng, cfg)
+    return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(tuple(shape[:-1]) + (2 * shape[-1],))
+  return quant.random_blocks(t, shape, rng, scale=block_scale)
+
+
 def write_gguf(path: str | os.PathLike, cfg: ModelConfig, *, types: TypePolicy | None = None, seed: int = 0,
                vocab=None, name: str | None = None, progress: bool = False, block_scale: float = 1e-3) -> str:
   """Write a random model of shape `cfg` to `path`; returns the path.
@@ -126,14 +138,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, *, types: TypePolicy |
     from tqdm import tqdm
     it = tqdm(plan, desc=f"writing {os.path.basename(str(path))}", unit="tensor")
   for tname, shape, t in it:
-    if t in ("F32", "F16"):
-      arr = _random_float(tname, shape, rng, cfg).astype(np.float32 if t == "F32" else np.float16)
-    elif t == "BF16":
-      f = _random_float(tname, shape, rng, cfg)
-      arr = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(tuple(shape[:-1]) + (2 * shape[-1],))
-    else:
-      arr = quant.random_blocks(t, shape, rng, scale=block_scale)
-    w.write_tensor_data(arr)
+    w.write_tensor_data(_random_tensor(tname, shape, t, rng, cfg, block_scale))
   w.close()
   return str(path)
 
@@ -172,7 +177,6 @@ def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: in
   """The params pytree `write_gguf` + `load_gguf` would give for a random model, built in memory (benchmarks on
   full-size shapes skip the multi-GB file round trip; the loader's path is tested on the tiny files)."""
   from model.gguf_io import _to_param
-  from ops import quant
   types = types or float_policy("F16")
   rng = np.random.default_rng(seed)
   entries = sorted(tensor_map(cfg, _FakeFile(cfg)).items(), key=lambda e: _order(e[1][0]))
@@ -182,13 +186,7 @@ def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: in
   params: dict = {}
   for path, (tname, shape) in entries:
     t = types(tname, shape)
-    if t in ("F32", "F16"):
-      arr = _random_float(tname, shape, rng, cfg).astype(np.float32 if t == "F32" else np.float16)
-    elif t == "BF16":
-      f = _random_float(tname, shape, rng, cfg)
-      arr = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(tuple(shape[:-1]) + (2 * shape[-1],))
-    else:
-      arr = quant.random_blocks(t, shape, rng, scale=block_scale)
+    arr = _random_tensor(tname, shape, t, rng, cfg, block_scale)
     node = params
     for p in path[:-1]:
       node = node.setdefault(p, {})
