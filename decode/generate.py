@@ -25,7 +25,8 @@ flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_enum("kv", "bf16", ["f32", "bf16", "int8"], "K/V cache dtype")
 flags.DEFINE_string("kv_resident", "auto", "main ring capacity R (tokens), or auto")
 flags.DEFINE_integer("max_context", None, "longest prompt + generation accepted (default: the ring's capacity)")
-flags.DEFINE_enum("kernels", "xla", ["pallas", "xla"], "quantized kernels: Pallas on GPU or the XLA reference")
+flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "xla"],
+                  "quantized kernels: Pallas (auto on GPU) or the XLA dequantize-then-dot reference (auto on CPU)")
 flags.DEFINE_enum("mtp", "on", ["on", "off"], "MTP (NextN) drafting when the model has a NextN block")
 flags.DEFINE_integer("mtp_draft", 3, "drafts per round (k)")
 flags.DEFINE_integer("mtp_window", 4096, "the NextN drafter ring's sliding window (entries)")
@@ -72,9 +73,11 @@ def run() -> dict:
   from decode.kv_plan import PlanError  # noqa: F401  (a ValueError: reported as one line below)
   from model.gguf_io import GGUFError
   from model.loader import default_model_path, load_model
+  from ops.qtensor import with_kernels
   try:
     path = FLAGS.gguf or default_model_path()
     model = load_model(path, FLAGS.cache_dir)
+    model.params = with_kernels(model.params, _kernels())
     ids = _prompt_ids(model.tokenizer)
     kvr = None if FLAGS.kv_resident == "auto" else _int_flag("kv_resident", FLAGS.kv_resident)
     gen = GenConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
@@ -105,6 +108,15 @@ def run() -> dict:
   if FLAGS.json:
     print(json.dumps(out))
   return out
+
+
+def _kernels() -> str:
+  import jax
+  if FLAGS.kernels == "auto":
+    return "xla" if jax.default_backend() == "cpu" else "pallas"
+  if FLAGS.kernels == "pallas" and jax.default_backend() == "cpu":
+    return "interpret"           # the same kernels through Pallas' interpreter (slow; for checking)
+  return FLAGS.kernels
 
 
 def _drafter(cfg) -> str:

@@ -5,15 +5,18 @@
 Cells (Qwen3-30B-A3B shapes: D = 2048, F = 768, 128 experts, top-8), each timed on random valid weights made on
 the device (ops/repack.random_planes), random distinct routing per token and layer:
   copy   a device-to-device copy (x + 1 over 2 GiB, bytes read + written): the bandwidth ceiling;
-  a/moe  one expert layer (gate/up 2048->768, SiLU, down 768->2048, router-weighted sum), timed as a scan over
-         16 distinct layers so the weights come from HBM, not L2; per-layer numbers;
-  a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies;
+  a/moe  one expert layer (gate/up 2048->768, SiLU, down 768->2048, router-weighted sum), timed over 8
+         distinct layers unrolled in one jit so the weights come from HBM, not L2; per-layer numbers;
+  a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies, unrolled;
   b/step the routed-expert work of a decode step: 48 layers in one jitted call (layer l+1 takes layer l's output,
          RMS-normalised), so launch latency counts as in decoding.
 Implementations: `pallas` (ops/moe_pallas, ops/qmatmul_pallas), `xla` (the jnp reference: gather the routed
 slabs, dequantize, dot), `bf16` (dense bfloat16 weights, gather + dot; its own bytes).
 GB/s counts the bytes of the distinct routed experts' packed weights (GGUF bytes: planes hold the same bytes);
-`%copy` is that over the copy bandwidth. Median of --iters timed calls after warm-up. A progress bar runs over
+`%copy` is that over the copy bandwidth. Median of --iters timed calls after warm-up. Every layer has its own
+buffers (a kernel operand sliced from a stacked array is copied whole by XLA first); the catch is compile
+time: XLA compiles each Triton custom-call instance separately (~3 s each on the H200 machine), so a 48-layer
+cell compiles for minutes (docs/PERF.md). A progress bar runs over
 the cells; every cell is a JSON line in --out/results.jsonl; a markdown table is printed last.
 """
 from __future__ import annotations
@@ -37,11 +40,12 @@ flags.DEFINE_integer("iters", 10, "timed calls per cell (median)")
 flags.DEFINE_boolean("check", False, "first compare the compiled kernels with the reference on small shapes")
 flags.DEFINE_string("sweep", "", "JSON list of tile overrides {'gateup': {...}, 'down': {...}, 'proj': {...}}: "
                     "part b/a at B=1 for each, before the main run")
-flags.DEFINE_boolean("unroll_layers", False, "part b as 48 unrolled layers instead of a scan")
+flags.DEFINE_integer("sweep_layers", 16, "layers per sweep cell")
 flags.DEFINE_list("shape", ["2048", "768", "128", "8", "4096"], "D, F, experts, top-k, projection rows (smoke tests)")
 flags.DEFINE_boolean("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke test only)")
 
 D, F, E, TOPK, NPROJ = 2048, 768, 128, 8, 4096
+SWEEP_LAYERS = 16
 
 
 def _timeit(fn, *args, iters):
@@ -60,32 +64,35 @@ def _copy_bw(iters):
   import jax
   import jax.numpy as jnp
   a = jax.random.bits(jax.random.PRNGKey(0), (512 << 20,), jnp.uint32)          # 2 GiB
-  f = jax.jit(lambda v: v + 1)
-  t = _timeit(f, a, iters=iters)
-  return 2 * a.nbytes / t / 1e9
+  nbytes = a.nbytes
+  f = jax.jit(lambda v: v + 1, donate_argnums=0)
+  for _ in range(3):
+    a = f(a)
+  jax.block_until_ready(a)
+  ts = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    a = jax.block_until_ready(f(a))
+    ts.append(time.perf_counter() - t)
+  return 2 * nbytes / statistics.median(ts) / 1e9
 
 
 def _experts(key, qtype, layers):
-  """Stacked [layers, E, ...] gate, up, down QTensors of random valid blocks."""
+  """Per layer (gate, up, down) QTensors of random valid blocks, each its own buffer (as the model's params:
+  a kernel operand that is a slice of a stacked array would be copied whole by XLA first)."""
   import jax
-  import jax.numpy as jnp
   from ops import repack
   from ops.qtensor import QTensor
   gen = jax.jit(lambda k, shape: repack.random_planes(k, qtype, shape), static_argnums=1)
-  out = []
-  for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F))):
-    per = [gen(jax.random.fold_in(key, 1000 * i + l), shape) for l in range(layers)]
-    planes = tuple(jnp.stack([p[j] for p in per]) for j in range(len(per[0])))
-    del per
-    out.append(QTensor(planes, qtype, shape[-1], "pallas"))
-  return out
+  return [tuple(QTensor(gen(jax.random.fold_in(key, 1000 * i + l), shape), qtype, shape[-1], "pallas")
+                for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F)))) for l in range(layers)]
 
 
 def _bf16_experts(key, layers):
   import jax
   import jax.numpy as jnp
-  return [jax.random.normal(jax.random.fold_in(key, i), (layers, E, *s), jnp.bfloat16) * 0.02
-          for i, s in enumerate(((F, D), (F, D), (D, F)))]
+  return [tuple(jax.random.normal(jax.random.fold_in(key, 1000 * i + l), (E, *s), jnp.bfloat16) * 0.02
+                for i, s in enumerate(((F, D), (F, D), (D, F)))) for l in range(layers)]
 
 
 def _routing(key, layers, T):
@@ -118,13 +125,9 @@ def _step_fn(impl, overrides, unroll_layers):
       y = _bf16_moe(x, ids, w, g, u, d)
     return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
 
-  def step(x, ids, w, g, u, d):
-    L = ids.shape[0]
-    if unroll_layers:
-      for l in range(L):
-        x = layer(x, ids[l], w[l], g[l], u[l], d[l])
-      return x
-    x, _ = jax.lax.scan(lambda x, a: (layer(x, *a), None), x, (ids, w, g, u, d))
+  def step(x, ids, w, layers):
+    for l, (g, u, d) in enumerate(layers):     # unrolled, as the model's layers
+      x = layer(x, ids[l], w[l], g, u, d)
     return x
 
   return jax.jit(step)
@@ -154,9 +157,9 @@ def _proj_fn(impl, overrides):
     return jnp.einsum("bk,nk->bn", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
 
   def run(x, ws):
-    def body(acc, w):
-      return acc + one(x, w), None
-    acc, _ = jax.lax.scan(body, jnp.zeros((x.shape[0], NPROJ), jnp.float32), ws)
+    acc = jnp.zeros((x.shape[0], NPROJ), jnp.float32)
+    for w in ws:
+      acc = acc + one(x, w)
     return acc
 
   return jax.jit(run)
@@ -164,6 +167,7 @@ def _proj_fn(impl, overrides):
 
 def _check(types):
   """Compiled kernels vs the reference on small random shapes (odd N, several experts, B in 1, 3, 8)."""
+  import jax
   import jax.numpy as jnp
   import numpy as np
   from ops import moe as moe_ops
@@ -178,12 +182,16 @@ def _check(types):
     d = QTensor.from_gguf(quant.random_blocks(q, (6, 512, 256), rng), q, 256)
     for B in (1, 3, 8, 16):
       x = jnp.asarray(rng.standard_normal((B, K)).astype(np.float32))
-      y, r = qmatmul_pallas.qmatmul_pallas(x, w), qmatmul.qmatmul_ref(x, w)
+      y = qmatmul_pallas.qmatmul_pallas(x, w)
+      with jax.default_matmul_precision("highest"):      # XLA's f32 dot is TF32 by default on GPU
+        r = qmatmul.qmatmul_ref(x, w)
       e1 = float(jnp.linalg.norm(y - r) / jnp.linalg.norm(r))
       xm = jnp.asarray(rng.standard_normal((B, 512)).astype(np.float32))
       ids = jnp.asarray(np.stack([rng.choice(6, 2, replace=False) for _ in range(B)]).astype(np.int32))
       wt = jnp.asarray(rng.random((B, 2)).astype(np.float32))
-      ym, rm = moe_pallas.moe_pallas(xm, ids, wt, g, u, d), moe_ops.moe_ref(xm, ids, wt, g, u, d)
+      ym = moe_pallas.moe_pallas(xm, ids, wt, g, u, d)
+      with jax.default_matmul_precision("highest"):
+        rm = moe_ops.moe_ref(xm, ids, wt, g, u, d)
       e2 = float(jnp.linalg.norm(ym - rm) / jnp.linalg.norm(rm))
       rows.append({"cell": "check", "type": q, "B": B, "qmatmul_relerr": e1, "moe_relerr": e2,
                    "ok": bool(e1 < 1e-4 and e2 < 1e-4)})
@@ -215,7 +223,8 @@ def main(argv):
   from ops import quant, repack
   from ops.qtensor import QTensor
 
-  global D, F, E, TOPK, NPROJ
+  global D, F, E, TOPK, NPROJ, SWEEP_LAYERS
+  SWEEP_LAYERS = FLAGS.sweep_layers
   D, F, E, TOPK, NPROJ = (int(v) for v in FLAGS.shape)
   if FLAGS.interpret:
     from ops import moe_pallas, qmatmul_pallas
@@ -250,16 +259,17 @@ def main(argv):
   L = FLAGS.layers
   for q in FLAGS.types:
     per_expert = 3 * quant.row_bytes(q, D) * F            # gate + up (F rows of D) + down (D rows of F): equal
-    g, u, d = _experts(jax.random.fold_in(key, hash(q) % 1000), q, L)
-    wproj = QTensor(repack.random_planes(jax.random.PRNGKey(7), q, (16, NPROJ, D)), q, D, "pallas")
+    layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L)
+    wproj = [QTensor(repack.random_planes(jax.random.PRNGKey(7 + i), q, (NPROJ, D)), q, D, "pallas") for i in range(16)]
     proj_bytes = quant.row_bytes(q, D) * NPROJ
     for si, ov in enumerate(sweeps):
       ids, w = _routing(jax.random.PRNGKey(11), L, 1)
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
       try:
-        t = _timeit(_step_fn("pallas", ov, FLAGS.unroll_layers), x, ids, w, g, u, d, iters=FLAGS.iters)
-        rec.update(ms=t * 1e3, GBps=_routed_bytes(ids, per_expert) / t / 1e9)
+        t = _timeit(_step_fn("pallas", ov, True), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers[:SWEEP_LAYERS],
+                    iters=FLAGS.iters)
+        rec.update(ms=t * 1e3, layers=SWEEP_LAYERS, GBps=_routed_bytes(ids[:SWEEP_LAYERS], per_expert) / t / 1e9)
         rec["pct_copy"] = 100 * rec["GBps"] / copy
         if "proj" in ov:
           tp = _timeit(_proj_fn("pallas", ov["proj"]), x, wproj, iters=FLAGS.iters) / 16
@@ -272,9 +282,9 @@ def main(argv):
       if impl == "bf16":
         if q != FLAGS.types[0]:
           continue
-        del g, u, d
-        g, u, d = _bf16_experts(key, L)
-        wp = jax.random.normal(key, (16, NPROJ, D), jnp.bfloat16)
+        del layers
+        layers = _bf16_experts(key, L)
+        wp = [jax.random.normal(jax.random.fold_in(key, i), (NPROJ, D), jnp.bfloat16) for i in range(16)]
       else:
         wp = wproj
       for B in batches:
@@ -286,13 +296,12 @@ def main(argv):
           rec = {"type": qn, "impl": impl, "B": B, "cell": part}
           try:
             if part == "b":
-              t = _timeit(_step_fn(impl, None, FLAGS.unroll_layers), x, ids, w, g, u, d, iters=FLAGS.iters)
+              t = _timeit(_step_fn(impl, None, True), x, ids, w, layers, iters=FLAGS.iters)
               nbytes = _routed_bytes(ids, pe)
               rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
             else:
-              n1 = min(16, L)
-              t = _timeit(_step_fn(impl, None, False), x, ids[:n1], w[:n1],
-                          *(a[:n1] for a in (g, u, d)), iters=FLAGS.iters) / n1
+              n1 = min(8, L)
+              t = _timeit(_step_fn(impl, None, True), x, ids[:n1], w[:n1], layers[:n1], iters=FLAGS.iters) / n1
               nbytes = _routed_bytes(ids[:1], pe)
               tp = _timeit(_proj_fn(impl, None), x, wp, iters=FLAGS.iters) / 16
               pb = 2 * NPROJ * D if impl == "bf16" else proj_bytes
@@ -303,7 +312,7 @@ def main(argv):
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
           emit(rec)
           prog.step(f"{qn} {impl} B={B} {part}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
-    del g, u, d
+    del layers
 
   # markdown table, last
   print(f"\n{meta['device']}, jax {meta['jax']}, {meta['date']}; copy {copy:.0f} GB/s\n")

@@ -28,10 +28,11 @@ from ops import quant, repack
 F32, I32 = jnp.float32, jnp.int32
 
 # (kernel, qtype) -> overrides of qp.TUNING; "gateup" tiles F rows of gate and up, "down" tiles D rows.
-MOE_TUNING: dict[tuple[str, str], dict] = {("down", q): dict(BN=16) for q in qp.KERNEL_TYPES}
+MOE_TUNING: dict[tuple[str, str], dict] = {("down", q): dict(unroll=8) for q in qp.KERNEL_TYPES}
+MOE_TUNING.update({("gateup", q): dict(S=4 if qp.quant.GGML_TYPES[q][0] == 256 else 16) for q in qp.KERNEL_TYPES})
 
 
-def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nsteps, unroll, down_qtype):
+def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb, unroll, down_qtype):
   *w_refs, h_ref = refs
   n = len(names)
   G, U = dict(zip(names, w_refs[:n])), dict(zip(names, w_refs[n:]))
@@ -40,21 +41,19 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, ns
   t = p // K
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), F - 1)
 
-  def step(j, acc):
-    b0 = j * S
-    xs = [lambda *idx: x_ref[(t, pl.ds(b0, S), *idx)]]
-    g = qp.TILES[qtype](lambda name, *idx: G[name][(e, rows, pl.ds(b0, S), *idx)], xs, tab_ref)[0]
-    u = qp.TILES[qtype](lambda name, *idx: U[name][(e, rows, pl.ds(b0, S), *idx)], xs, tab_ref)[0]
-    return acc[0] + g, acc[1] + u
+  def tile_sums(b0, s):
+    xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *idx)]]
+    g = qp.TILES[qtype](lambda name, *idx: G[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+    u = qp.TILES[qtype](lambda name, *idx: U[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+    return jnp.sum(g, axis=1), jnp.sum(u, axis=1)
 
-  zero = jnp.zeros((BN, S), F32)
-  g, u = qp.block_loop(nsteps, unroll, step, (zero, zero))
-  g, u = jnp.sum(g, axis=1), jnp.sum(u, axis=1)
+  zero = jnp.zeros((BN,), F32)
+  g, u = qp.k_loop(nb, S, unroll, tile_sums, (zero, zero))
   h = g / (1.0 + jnp.exp(-g)) * u
   h_ref[p, qp.x_view_index(down_qtype, rows)] = h
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, K, D, BN, S, nsteps, unroll):
+def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, K, D, BN, S, nb, unroll):
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
   t = pl.program_id(1)
@@ -64,16 +63,16 @@ def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, K, D, BN, 
     p = t * K + k
     e = ids_ref[p]
 
-    def step(j, a):
-      b0 = j * S
-      xs = [lambda *idx: h_ref[(p, pl.ds(b0, S), *idx)]]
-      return a + qp.TILES[qtype](lambda name, *idx: W[name][(e, rows, pl.ds(b0, S), *idx)], xs, tab_ref)[0]
+    def tile_sums(b0, s):
+      xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *idx)]]
+      y = qp.TILES[qtype](lambda name, *idx: W[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+      return (jnp.sum(y, axis=1),)
 
-    y = qp.block_loop(nsteps, unroll, step, jnp.zeros((BN, S), F32))
+    (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
     return acc + w_ref[p] * y
 
-  acc = qp.block_loop(K, unroll, expert, jnp.zeros((BN, S), F32))
-  o_ref[t, rows] = jnp.sum(acc, axis=1)
+  acc = qp.block_loop(K, unroll, expert, jnp.zeros((BN,), F32))
+  o_ref[t, rows] = acc
 
 
 def supported(x_TD, ids_TK, gate, up, down) -> bool:
@@ -97,14 +96,14 @@ def _moe(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpr
   nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
   names_g, names_d = repack.plane_names(gq), repack.plane_names(dq)
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, K=K, F=F, BN=cg["BN"], S=cg["S"],
-                             nsteps=nbD // cg["S"], unroll=cg["unroll"], down_qtype=dq)
+                             nb=nbD, unroll=cg["unroll"], down_qtype=dq)
   h = pl.pallas_call(
       gateup, out_shape=jax.ShapeDtypeStruct((P, F), F32), grid=(pl.cdiv(F, cg["BN"]), P),
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
   )(ids, qp.x_view(x_TD.astype(F32), gq), qp.table(gq), *gplanes, *uplanes)
   h = h.reshape(P, nbF, *(qp.XVIEW[dq][i] for i in qp.XPERM[dq]))        # already in the x layout of dq
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, K=K, D=D, BN=cd["BN"], S=cd["S"],
-                           nsteps=nbF // cd["S"], unroll=cd["unroll"])
+                           nb=nbF, unroll=cd["unroll"])
   return pl.pallas_call(
       down, out_shape=jax.ShapeDtypeStruct((T, D), F32), grid=(pl.cdiv(D, cd["BN"]), T),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",

@@ -61,13 +61,13 @@ XPERM = {
 # Tile sizes: BN rows per program (power of 2), S blocks per K step (power of 2; clipped to the largest power of
 # two dividing nb), Triton warps and pipeline stages. Measured on the H200: docs/PERF.md "Quantized kernels".
 TUNING: dict[str, dict] = {
-    "Q8_0": dict(BN=32, S=8, num_warps=2, num_stages=2),
-    "Q4_K": dict(BN=32, S=2, num_warps=2, num_stages=2),
-    "Q5_K": dict(BN=32, S=2, num_warps=2, num_stages=2),
-    "Q6_K": dict(BN=32, S=2, num_warps=2, num_stages=2),
-    "IQ3_S": dict(BN=32, S=2, num_warps=2, num_stages=2),
-    "IQ4_NL": dict(BN=32, S=8, num_warps=2, num_stages=2),
-    "IQ4_XS": dict(BN=32, S=2, num_warps=2, num_stages=2),
+    "Q8_0": dict(BN=16, S=32, num_warps=4, num_stages=2),
+    "Q4_K": dict(BN=16, S=8, num_warps=4, num_stages=2),
+    "Q5_K": dict(BN=16, S=8, num_warps=4, num_stages=2),
+    "Q6_K": dict(BN=16, S=8, num_warps=4, num_stages=2),
+    "IQ3_S": dict(BN=16, S=8, num_warps=4, num_stages=2),
+    "IQ4_NL": dict(BN=16, S=32, num_warps=4, num_stages=2),
+    "IQ4_XS": dict(BN=16, S=8, num_warps=4, num_stages=2),
 }
 
 
@@ -289,14 +289,22 @@ def _pow2_floor(v: int) -> int:
   return 1 << (max(int(v), 1).bit_length() - 1)
 
 
-def config(qtype: str, rows: int, nb: int, overrides: dict | None = None) -> dict:
-  """Tile sizes for `rows` output rows and `nb` blocks per row: TUNING[qtype] (+ overrides), clipped."""
+# Register budget: tokens x rows x values of one step's partial products per program (B=16 otherwise spills).
+STEP_BUDGET = 65536
+
+
+def config(qtype: str, rows: int, nb: int, overrides: dict | None = None, batch: int = 1) -> dict:
+  """Tile sizes for `rows` output rows, `nb` blocks per row and `batch` tokens: TUNING[qtype] (+ overrides),
+  clipped to the problem and, for larger batches, shrunk (BN to 16, then S) to STEP_BUDGET."""
   c = dict(TUNING[qtype], **(overrides or {}))
   c["BN"] = min(_pow2_floor(c["BN"]), max(16, 1 << (max(rows, 1) - 1).bit_length()))
-  s = _pow2_floor(c["S"])
-  while nb % s:
-    s //= 2
-  c["S"] = s
+  block = quant.GGML_TYPES[qtype][0]
+  while batch * c["BN"] * c["S"] * block > STEP_BUDGET and (c["BN"] > 16 or c["S"] > 1):
+    if c["BN"] > 16:
+      c["BN"] //= 2
+    else:
+      c["S"] = max(1, c["S"] // 2)
+  c["S"] = min(_pow2_floor(c["S"]), _pow2_floor(nb))
   c.setdefault("unroll", 0)
   return c
 
@@ -334,6 +342,20 @@ def block_loop(nsteps: int, unroll: int, body, init):
   return jax.lax.fori_loop(0, nsteps, body, init)
 
 
+def k_loop(nb: int, S: int, unroll: int, tile_sums, init):
+  """Sum tile_sums(b0, s) (a tuple of [BN] per token) over the nb blocks of a row: nb // S steps of S blocks, then
+  the remainder in power-of-two pieces (nb = 3 -> 2 + 1), so S need not divide nb (F = 768 is 3 superblocks)."""
+  add = lambda a, t: tuple(x + y for x, y in zip(a, t))
+  accs = block_loop(nb // S, unroll, lambda j, a: add(a, tile_sums(j * S, S)), init)
+  b, s = (nb // S) * S, S
+  while b < nb:
+    while b + s > nb:
+      s //= 2
+    accs = add(accs, tile_sums(b, s))
+    b += s
+  return accs
+
+
 def compiler_params(c: dict):
   return plgpu.CompilerParams(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
@@ -341,20 +363,19 @@ def compiler_params(c: dict):
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nsteps, unroll):
+def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll):
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), N - 1)
 
-  def step(j, accs):
-    b0 = j * S
-    ld = lambda name, *idx: W[name][(rows, pl.ds(b0, S), *idx)]
-    xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, S), *idx)], b) for b in range(B)]
-    return tuple(a + o for a, o in zip(accs, TILES[qtype](ld, xs, tab_ref)))
+  def tile_sums(b0, s):
+    ld = lambda name, *idx: W[name][(rows, pl.ds(b0, s), *idx)]
+    xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, s), *idx)], b) for b in range(B)]
+    return tuple(jnp.sum(o, axis=1) for o in TILES[qtype](ld, xs, tab_ref))
 
-  accs = block_loop(nsteps, unroll, step, tuple(jnp.zeros((BN, S), F32) for _ in range(B)))
+  accs = k_loop(nb, S, unroll, tile_sums, tuple(jnp.zeros((BN,), F32) for _ in range(B)))
   for b in range(B):
-    o_ref[b, rows] = jnp.sum(accs[b], axis=1)
+    o_ref[b, rows] = accs[b]
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "n", "interpret", "cfg"))
@@ -364,8 +385,8 @@ def _qmatmul(x2, planes, *, qtype, n, interpret, cfg):
   N = planes[0].shape[0]
   nb = n // quant.GGML_TYPES[qtype][0]
   names = repack.plane_names(qtype)
-  kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=c["BN"], S=c["S"],
-                             nsteps=nb // c["S"], unroll=c["unroll"])
+  kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=c["BN"], S=c["S"], nb=nb,
+                             unroll=c["unroll"])
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((B, N), F32), grid=(pl.cdiv(N, c["BN"]),),
       compiler_params=compiler_params(c), interpret=interpret, name=f"qmatmul_{qtype.lower()}",
@@ -384,6 +405,6 @@ def qmatmul_pallas(x: jax.Array, w, *, interpret: bool = False, overrides: dict 
   if not supported(w, x2.shape[0]):
     raise ValueError(f"qmatmul_pallas: {w.qtype} {w.shape} with batch {x2.shape[0]} is not supported")
   nb = K // quant.GGML_TYPES[w.qtype][0]
-  cfg = config(w.qtype, N, nb, overrides)
+  cfg = config(w.qtype, N, nb, overrides, batch=x2.shape[0])
   y = _qmatmul(x2, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret, cfg=tuple(sorted(cfg.items())))
   return y.reshape(*lead, N)

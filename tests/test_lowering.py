@@ -1,0 +1,54 @@
+"""Lower every quantized kernel to Triton for an abstract CUDA device (H200) and an abstract ROCm device (MI300,
+gfx942) from this CPU-only jaxlib: `AbstractDevice` in an `AbstractMesh` under `use_abstract_mesh`, then
+`jit(...).trace(...).lower(lowering_platforms=(...))`. Catches Triton-lowering errors (unsupported primitives,
+non-power-of-two tensors, multi-axis reductions under a mesh) that interpret mode does not see.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from ops import moe_pallas, qmatmul_pallas, quant, repack
+from ops.qtensor import QTensor
+
+DEVICES = {"cuda": "NVIDIA H200", "rocm": "gfx942"}
+
+
+def _abstract_qtensor(qtype, shape):
+  nb = shape[-1] // quant.GGML_TYPES[qtype][0]
+  planes = tuple(jax.ShapeDtypeStruct((*shape[:-1], nb, *f.shape), jnp.dtype(f.dtype)) for f in repack.LAYOUTS[qtype])
+  return QTensor(planes, qtype, shape[-1], "pallas")
+
+
+def _lower(platform, fn, *args) -> str:
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(DEVICES[platform], None, platform))
+  with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+    warnings.simplefilter("ignore", DeprecationWarning)       # the Pallas Triton backend warns it is deprecated
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("qtype", qmatmul_pallas.KERNEL_TYPES)
+def test_qmatmul_lowers(qtype, platform):
+  w = _abstract_qtensor(qtype, (4096, 2048))
+  for B in (1, 5):
+    x = jax.ShapeDtypeStruct((B, 2048), jnp.float32)
+    txt = _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w), x, w)
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("qtype", qmatmul_pallas.KERNEL_TYPES)
+def test_moe_lowers(qtype, platform):
+  g = _abstract_qtensor(qtype, (128, 768, 2048))
+  d = _abstract_qtensor(qtype, (128, 2048, 768))                 # F = 768: 3 superblocks, a 2 + 1 K plan
+  for T in (3,):
+    x = jax.ShapeDtypeStruct((T, 2048), jnp.float32)
+    ids = jax.ShapeDtypeStruct((T, 8), jnp.int32)
+    w = jax.ShapeDtypeStruct((T, 8), jnp.float32)
+    txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d), x, ids, w, g, g, d)
+    assert txt.count("__gpu$xla.gpu.triton") == 2                 # gate/up kernel, down kernel
