@@ -39,6 +39,9 @@ flags.DEFINE_integer("mtp_window", 4096, "drafter window")
 flags.DEFINE_integer("seeds", 3, "timed runs per cell")
 flags.DEFINE_integer("max_context", None, "max_context of every request (informative here: no host tier yet)")
 flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
+flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
+                  "synthetic: a fixed arithmetic token pattern; text: the standard library's documentation topics "
+                  "(pydoc_data), tokenized, from a seed-dependent offset (real text, for models that learned it)")
 flags.DEFINE_string("cells", "/tmp/moejax-bench/cells.jsonl", "JSONL output (one record per timed run)")
 flags.DEFINE_string("plot", None, "PNG of decode tok/s against depth per arm (default: beside --cells)")
 
@@ -92,12 +95,31 @@ def _in_memory_model(name: str, experts: str):
   return LoadedModel(cfg, params, tok, f"in-memory:{name}", False, time.time() - t0)
 
 
+_TEXT: dict = {}
+
+
+def _text_tokens(model, n: int, seed: int) -> list[int]:
+  """n tokens of documentation text (the last topics in sorted order, which the default model's training held
+  out in part), starting at an offset chosen by the seed."""
+  key = id(model.tokenizer)
+  if key not in _TEXT:
+    from pydoc_data.topics import topics
+    text = "".join(topics[k] + "<|endoftext|>" for k in sorted(topics)[-40:])
+    _TEXT[key] = model.tokenizer.encode(text)
+  ids = _TEXT[key]
+  start = (abs(seed) * 7919 * 13) % max(1, len(ids) - n)
+  return ids[start:start + n]
+
+
 def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
   from decode.engine import GenConfig, generate
   from decode.speculative import speculative_generate
   from model.loader import LoadedModel  # noqa: F401
-  base = [7, 11, 13, 17, 19, 23, 29, 31]
-  prompt = [(base[i % len(base)] * (i + 1 + seed)) % model.cfg.vocab_size for i in range(arm.depth)]
+  if FLAGS.prompt_source == "text":
+    prompt = _text_tokens(model, arm.depth, seed)
+  else:
+    base = [7, 11, 13, 17, 19, 23, 29, 31]
+    prompt = [(base[i % len(base)] * (i + 1 + seed)) % model.cfg.vocab_size for i in range(arm.depth)]
   gen = GenConfig(max_new_tokens=max_new, kv=arm.kv, kv_resident=None if arm.ring == "auto" else int(arm.ring),
                   max_context=None, stop_at_eos=False, seed=seed)
   if arm.draft == "none":
