@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from decode.kv_ring import KVRing
+from decode.kv_ring import KVRing, layer_arrays
 
 
 @struct.dataclass
@@ -36,8 +36,7 @@ class HostTier:
     return int(sum(a.size * a.dtype.itemsize for a in arrs))
 
   def layer(self, i: int):
-    return (self.k[i], self.v[i], None if self.k_scale is None else self.k_scale[i],
-            None if self.v_scale is None else self.v_scale[i])
+    return layer_arrays(self, i)
 
   def evict(self, ring: KVRing, layer: int, pos_T: jax.Array) -> "HostTier":
     """Copy positions pos_T - W (those >= 0) of `layer` from the ring (before pos_T overwrite anything)."""

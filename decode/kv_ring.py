@@ -19,6 +19,12 @@ def _set(t: tuple, i: int, a) -> tuple:
   return t[:i] + (a,) + t[i + 1:]
 
 
+def layer_arrays(cache, i: int):
+  """(k, v, k_scale, v_scale) of layer i of a per-layer cache (KVRing or HostTier); scales None unless int8."""
+  return (cache.k[i], cache.v[i], None if cache.k_scale is None else cache.k_scale[i],
+          None if cache.v_scale is None else cache.v_scale[i])
+
+
 @struct.dataclass
 class KVRing:
   # One array per layer (a tuple), not one [L, R, ...] stack: a layer is its own buffer, so attention reads it
@@ -67,8 +73,7 @@ class KVRing:
 
   def layer(self, i: int):
     """(k, v, k_scale, v_scale) of layer i."""
-    return (self.k[i], self.v[i], None if self.k_scale is None else self.k_scale[i],
-            None if self.v_scale is None else self.v_scale[i])
+    return layer_arrays(self, i)
 
   def write(self, layer: int, pos_T: jax.Array, k_THD: jax.Array, v_THD: jax.Array) -> "KVRing":
     """Store T new rows of one layer at positions pos_T (slots pos mod R). Does not advance `length`."""
