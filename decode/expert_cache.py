@@ -15,8 +15,6 @@ whenever a step's routed experts fit the pool (N >= T * top_k per layer class; f
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -178,23 +176,3 @@ def pool_tensors(cache: ExpertCache, block: int, gate: QTensor, up: QTensor, dow
   """The pool of `block` as QTensors indexed by slot (same qtype, n and kernel as the store's)."""
   pool = cache.pools[cache.pool_of_block[block]]
   return _rebuild(gate, pool.gate), _rebuild(up, pool.up), _rebuild(down, pool.down)
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSpec:
-  """What `--expert_cache` asked for: 'all', 'auto' or a number of slots; and the policy."""
-  mode: str = "all"
-  slots: int | None = None
-  policy: str = "lru"
-
-  @classmethod
-  def parse(cls, s: str, policy: str = "lru") -> "CacheSpec":
-    if s in ("all", "auto"):
-      return cls(s, None, policy)
-    try:
-      n = int(s)
-    except ValueError:
-      raise ValueError(f"--expert_cache: {s!r}, expected all, auto or a number of slots") from None
-    if n <= 0:
-      raise ValueError(f"--expert_cache: {n}, expected a positive number of slots")
-    return cls("slots", n, policy)

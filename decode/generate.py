@@ -132,6 +132,8 @@ def _plan(model, gen, n_prompt: int, drafter: str):
   """The request's memory plan (refused over budget) and the expert-cache slots it gives."""
   from decode.engine import ring_capacity
   from decode.kv_plan import GiB, device_budget, plan_request
+  if FLAGS.expert_cache not in ("all", "auto"):
+    _int_flag("expert_cache", FLAGS.expert_cache, "all or auto")     # a number of slots, else one line
   k = FLAGS.mtp_draft if drafter != "none" else 0
   ring = ring_capacity(n_prompt + gen.max_new_tokens + (k + 1 if k else 0), gen.kv_resident)
   kw = dict(kv=gen.kv, max_context=gen.max_context, mtp_window=FLAGS.mtp_window if drafter == "mtp" else None, k=k,
@@ -146,11 +148,11 @@ def _plan(model, gen, n_prompt: int, drafter: str):
   return plan, slots
 
 
-def _int_flag(name: str, v: str) -> int:
+def _int_flag(name: str, v: str, named: str = "auto") -> int:
   try:
     n = int(v)
   except ValueError:
-    raise CLIError(f"--{name}: {v!r}, expected an integer or auto") from None
+    raise CLIError(f"--{name}: {v!r}, expected a positive integer or {named}") from None
   if n <= 0:
     raise CLIError(f"--{name}: {n}, expected a positive integer")
   return n

@@ -30,11 +30,6 @@ class HostTier:
     z = lambda t: None if t is None else tuple(jnp.zeros((capacity,) + a.shape[1:], a.dtype) for a in t)  # noqa: E731
     return cls(z(ring.k), z(ring.v), z(ring.k_scale), z(ring.v_scale), capacity)
 
-  @property
-  def nbytes(self) -> int:
-    arrs = list(self.k) + list(self.v) + list(self.k_scale or ()) + list(self.v_scale or ())
-    return int(sum(a.size * a.dtype.itemsize for a in arrs))
-
   def layer(self, i: int):
     return layer_arrays(self, i)
 

@@ -66,11 +66,6 @@ class KVRing:
   def n_layers(self) -> int:
     return len(self.k)
 
-  @property
-  def nbytes(self) -> int:
-    arrs = list(self.k) + list(self.v) + list(self.k_scale or ()) + list(self.v_scale or ())
-    return int(sum(a.size * a.dtype.itemsize for a in arrs))
-
   def layer(self, i: int):
     """(k, v, k_scale, v_scale) of layer i."""
     return layer_arrays(self, i)
