@@ -1,13 +1,22 @@
 """Expert cache: N device slots (one pool per expert-tensor signature, shared across layers) over a store of
 every expert's packed blocks (pinned host memory on a GPU).
 
+The store is the params' routed-expert tensors (gate/up/down_exps of every MoE block). `place_store` moves them
+to the memory kind `store_memory_kind()` picks: "pinned_host" on a GPU that exposes it, else "device" (CPU: a
+no-op). Inside the jitted step a miss reads its expert's rows from the store with a dynamic slice and moves just
+those rows to the device (`jax.device_put(row, jax.memory.Space.Device)`: XLA's host offloader turns the
+dynamic-slice + MoveToDevice pair into one host -> device copy of the slice), so the bytes moved are the
+missed experts' slabs only. `ExpertCache.store_memory_kind` records where the store was when the cache was made.
+
 State is an explicit pytree that goes in and out of the decode step like the KV ring:
   slot_of [n_blocks, E]  slot holding (block, expert), -1 if not resident
   pools[p].{gate, up, down}  the packed planes of S_p experts (QTensor.planes with the expert dim cut to S_p:
                              the same bytes as the store)
   pools[p].owner [S_p]  block * E + expert held by each slot (-1 empty); pools[p].stamp [S_p]  LRU clock or LFU count
-  hits / misses / bytes [n_blocks]  per-block counters (the NextN blocks are the last n_nextn rows: a class of
-  their own, decode-only)
+  hits / misses / steps [n_blocks]  per-block counters (steps: passes through the cache, one per forward step of
+  the block, one per token in _cached_moe's token-by-token fallback; the NextN blocks are the last n_nextn rows:
+  a class of their own, decode-only). Bytes moved host -> device are misses x the block's per-expert packed
+  bytes (`bytes_moved`, exact integers).
 A step that needs an expert that is not resident evicts the least recently (or frequently) used slot not
 needed by the same step and copies the expert's slabs from the store. The MoE then runs the same gather
 computation as with every expert resident, on slot ids instead of expert ids, so outputs are bitwise equal
@@ -50,17 +59,35 @@ class ExpertCache:
   clock: jax.Array
   hits: jax.Array
   misses: jax.Array
-  bytes_moved: jax.Array
+  steps: jax.Array
   pool_of_block: tuple = struct.field(pytree_node=False)    # block index -> pool index (-1: dense block)
   policy: str = struct.field(pytree_node=False, default="lru")
+  n_trunk: int = struct.field(pytree_node=False, default=0)  # blocks < n_trunk are the trunk, the rest NextN
+  store_memory_kind: str = struct.field(pytree_node=False, default="device")  # where the store was at create()
 
   @property
   def n_slots(self) -> int:
     return sum(p.n_slots for p in self.pools)
 
+  @property
+  def bytes_moved(self) -> list[int]:
+    """Bytes copied store -> slots per block (host -> device when the store is in pinned host memory): misses x
+    the block's per-expert packed bytes (gate + up + down slabs)."""
+    return [int(m) * (self.pools[p].slot_bytes if p >= 0 else 0) for m, p in zip(self.misses, self.pool_of_block)]
+
   def stats(self) -> dict:
-    return {"hits": [int(x) for x in self.hits], "misses": [int(x) for x in self.misses],
-            "bytes_moved": [int(x) for x in self.bytes_moved], "slots": self.n_slots, "policy": self.policy}
+    """Counters per block, plus bytes_per_step: the mean bytes moved by one forward step of the trunk (sum over
+    trunk blocks of bytes / steps) and of the NextN blocks (bytes_per_step_nextn)."""
+    moved, steps = self.bytes_moved, [int(x) for x in self.steps]
+
+    def per_step(blocks):
+      return sum(moved[b] / steps[b] for b in blocks if steps[b])
+
+    nb = len(self.pool_of_block)
+    return {"hits": [int(x) for x in self.hits], "misses": [int(x) for x in self.misses], "bytes_moved": moved,
+            "steps": steps, "bytes_per_step": per_step(range(self.n_trunk)),
+            "bytes_per_step_nextn": per_step(range(self.n_trunk, nb)), "slots": self.n_slots, "policy": self.policy,
+            "store_memory_kind": self.store_memory_kind}
 
 
 def expert_blocks(cfg: ModelConfig) -> list[int]:
@@ -111,6 +138,76 @@ def slab_bytes(params: dict, cfg: ModelConfig) -> dict[int, int]:
   return out
 
 
+def store_memory_kind(dev=None) -> str:
+  """Where the expert store should live on `dev` (default: the first device): "pinned_host" when it is a GPU
+  exposing that memory kind (misses then cross host -> device inside the step), else "device", where placing the
+  store is a no-op (on CPU host memory is the device's memory: nothing to move)."""
+  dev = dev or jax.devices()[0]
+  if dev.platform != "gpu":
+    return "device"
+  return "pinned_host" if "pinned_host" in {m.kind for m in dev.addressable_memories()} else "device"
+
+
+def _memory_kind(x) -> str:
+  """The memory kind of an array: its sharding's when concrete, else from its abstract value's memory space."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return x.sharding.memory_kind or "device"
+  return "pinned_host" if _on_host(x) else "device"
+
+
+def place_store(params: dict, cfg: ModelConfig, kind: str | None = None) -> dict:
+  """The params with every MoE block's routed-expert tensors (the store) in memory kind `kind` (default:
+  `store_memory_kind()`); the same object when that is "device". Other params stay where they are.
+
+  With the store in pinned host memory the cached decode path reads it only through `ensure` (missed rows move to
+  the device); a step that reads the experts directly (T * top_k > n_experts, e.g. a prefill chunk) must first
+  move them to the device (`to_device`)."""
+  kind = kind or store_memory_kind()
+  if kind == "device":
+    return params
+  dev = jax.devices()[0]
+  sh = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
+  out = dict(params)
+  for i in expert_blocks(cfg):
+    if i < cfg.n_layers:
+      blk = out[f"blk_{i}"] = dict(out[f"blk_{i}"])
+    else:
+      mtp = out[f"mtp_{i - cfg.n_layers}"] = dict(out[f"mtp_{i - cfg.n_layers}"])
+      blk = mtp["blk"] = dict(mtp["blk"])
+    ffn = blk["ffn"] = dict(blk["ffn"])
+    for n in ("gate_exps", "up_exps", "down_exps"):
+      ffn[n] = _rebuild(ffn[n], tuple(jax.device_put(p, sh) for p in _planes(ffn[n])))
+  return out
+
+
+def store_kinds(params: dict, cfg: ModelConfig) -> dict[str, list[str]]:
+  """The memory kinds of the store's arrays, per tensor path (for inspection)."""
+  out = {}
+  for i in expert_blocks(cfg):
+    ffn = _block_ffn(params, cfg, i)
+    for n in ("gate_exps", "up_exps", "down_exps"):
+      out[f"{i}.{n}"] = [_memory_kind(p) for p in _planes(ffn[n])]
+  return out
+
+
+def _on_host(x) -> bool:
+  return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def to_device(w):
+  """A store tensor (QTensor or dense array) moved to device memory inside a jitted step; unchanged when it is
+  already there. For the paths that read the whole store (T * top_k > n_experts)."""
+  moved = tuple(jax.device_put(p, jax.memory.Space.Device) if _on_host(p) else p for p in _planes(w))
+  return _rebuild(w, moved)
+
+
+def _fetch(plane: jax.Array, e) -> jax.Array:
+  """Row e of a store plane, [1, ...] in device memory: a dynamic slice, then (store on the host) a move of just
+  that slice to the device."""
+  row = jax.lax.dynamic_slice_in_dim(plane, e, 1, axis=0)
+  return jax.device_put(row, jax.memory.Space.Device) if _on_host(plane) else row
+
+
 def create(params: dict, cfg: ModelConfig, n_slots: int, policy: str = "lru") -> ExpertCache:
   """Empty cache of `n_slots` slots, split over pools in proportion to the blocks that use each."""
   if policy not in POLICIES:
@@ -124,23 +221,25 @@ def create(params: dict, cfg: ModelConfig, n_slots: int, policy: str = "lru") ->
     planes = [tuple(jnp.zeros((s,) + shape, dt) for shape, dt in t[2]) for t in sig]
     pools.append(Pool(*planes, jnp.full((s,), -1, jnp.int32), jnp.zeros((s,), jnp.int32)))
   nb = cfg.n_blocks
+  kinds = {k for ks in store_kinds(params, cfg).values() for k in ks}
   return ExpertCache(tuple(pools), jnp.full((nb, cfg.n_experts), -1, jnp.int32), jnp.zeros((), jnp.int32),
-                     jnp.zeros((nb,), jnp.int32), jnp.zeros((nb,), jnp.int32), jnp.zeros((nb,), jnp.float32),
-                     tuple(pool_of.get(i, -1) for i in range(nb)), policy)
+                     jnp.zeros((nb,), jnp.int32), jnp.zeros((nb,), jnp.int32), jnp.zeros((nb,), jnp.int32),
+                     tuple(pool_of.get(i, -1) for i in range(nb)), policy, cfg.n_layers,
+                     "/".join(sorted(kinds)) or "device")
 
 
 def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: QTensor, down: QTensor,
            n_experts: int):
   """Make experts ids_M of `block` resident; returns (slot ids [M], cache). Slots needed by this call are never
-  evicted by it (requires M <= the pool's slots)."""
+  evicted by it (requires M <= the pool's slots). A miss copies its expert's rows from the store (gate, up, down:
+  the params' tensors, possibly in pinned host memory) into the evicted slot; a hit moves nothing."""
   p = cache.pool_of_block[block]
   pool = cache.pools[p]
   S = pool.n_slots
   clock = cache.clock + 1
-  slab = float(pool.slot_bytes)
 
   def one(m, carry):
-    pool, slot_of, used, hits, misses, moved, out = carry
+    pool, slot_of, used, hits, misses, out = carry
     e = ids_M[m]
     s = slot_of[block, e]
     hit = s >= 0
@@ -152,7 +251,8 @@ def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: 
       old = pool.owner[v]
       ob, oe = old // n_experts, old % n_experts
       slot_of = jnp.where(old >= 0, slot_of.at[ob, oe].set(-1), slot_of)
-      put = lambda dst, src: tuple(d.at[v].set(s_[e]) for d, s_ in zip(dst, _planes(src)))  # noqa: E731
+      put = lambda dst, src: tuple(jax.lax.dynamic_update_slice_in_dim(d, _fetch(s_, e), v, axis=0)  # noqa: E731
+                                   for d, s_ in zip(dst, _planes(src)))
       pool = pool.replace(gate=put(pool.gate, gate), up=put(pool.up, up), down=put(pool.down, down),
                           owner=pool.owner.at[v].set(block * n_experts + e), stamp=pool.stamp.at[v].set(0))
       return (pool, slot_of.at[block, e].set(v)), v
@@ -160,16 +260,14 @@ def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: 
     (pool, slot_of), s = jax.lax.cond(hit, lambda a: (a, s), load, (pool, slot_of))
     stamp = clock if cache.policy == "lru" else pool.stamp[s] + jnp.where(used[s], 0, 1)
     pool = pool.replace(stamp=pool.stamp.at[s].set(stamp))
-    return (pool, slot_of, used.at[s].set(True), hits + hit, misses + (~hit), moved + jnp.where(hit, 0.0, slab),
-            out.at[m].set(s))
+    return pool, slot_of, used.at[s].set(True), hits + hit, misses + (~hit), out.at[m].set(s)
 
   M = ids_M.shape[0]
-  init = (pool, cache.slot_of, jnp.zeros((S,), bool), jnp.int32(0), jnp.int32(0), jnp.float32(0.0),
-          jnp.zeros((M,), jnp.int32))
-  pool, slot_of, _, h, mi, mv, slots = jax.lax.fori_loop(0, M, one, init)
+  init = (pool, cache.slot_of, jnp.zeros((S,), bool), jnp.int32(0), jnp.int32(0), jnp.zeros((M,), jnp.int32))
+  pool, slot_of, _, h, mi, slots = jax.lax.fori_loop(0, M, one, init)
   pools = cache.pools[:p] + (pool,) + cache.pools[p + 1:]
   return slots, cache.replace(pools=pools, slot_of=slot_of, clock=clock, hits=cache.hits.at[block].add(h),
-                              misses=cache.misses.at[block].add(mi), bytes_moved=cache.bytes_moved.at[block].add(mv))
+                              misses=cache.misses.at[block].add(mi), steps=cache.steps.at[block].add(1))
 
 
 def pool_tensors(cache: ExpertCache, block: int, gate: QTensor, up: QTensor, down: QTensor):

@@ -6,17 +6,18 @@ Cells (Qwen3-30B-A3B shapes: D = 2048, F = 768, 128 experts, top-8), each timed 
 the device (ops/repack.random_planes), random distinct routing per token and layer:
   copy   a device-to-device copy (x + 1 over 2 GiB, bytes read + written): the bandwidth ceiling;
   a/moe  one expert layer (gate/up 2048->768, SiLU, down 768->2048, router-weighted sum), timed over 8
-         distinct layers unrolled in one jit so the weights come from HBM, not L2; per-layer numbers;
-  a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies, unrolled;
+         distinct layers in one jit so the weights come from HBM, not L2; per-layer numbers;
+  a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies;
   b/step the routed-expert work of a decode step: 48 layers in one jitted call (layer l+1 takes layer l's output,
          RMS-normalised), so launch latency counts as in decoding.
+Every weight is stacked over layers ([L, E, F, D] planes) and the layers run as a `lax.scan` whose body passes
+the layer index to the kernels (`moe_pallas(..., layer=l)`), so one kernel instance serves all layers: XLA
+compiles each Triton custom call on its own (seconds each), and an operand sliced out of a stack would be
+copied whole first. `--compile_probe` measures that: compile time of n identical kernel calls for n = 1, 8.
 Implementations: `pallas` (ops/moe_pallas, ops/qmatmul_pallas), `xla` (the jnp reference: gather the routed
 slabs, dequantize, dot), `bf16` (dense bfloat16 weights, gather + dot; its own bytes).
 GB/s counts the bytes of the distinct routed experts' packed weights (GGUF bytes: planes hold the same bytes);
-`%copy` is that over the copy bandwidth. Median of --iters timed calls after warm-up. Every layer has its own
-buffers (a kernel operand sliced from a stacked array is copied whole by XLA first); the catch is compile
-time: XLA compiles each Triton custom-call instance separately (~3 s each on the H200 machine), so a 48-layer
-cell compiles for minutes (docs/PERF.md). A progress bar runs over
+`%copy` is that over the copy bandwidth. Median of --iters timed calls after warm-up. A progress bar runs over
 the cells; every cell is a JSON line in --out/results.jsonl; a markdown table is printed last.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ flags.DEFINE_string("sweep", "", "JSON list of tile overrides {'gateup': {...}, 
 flags.DEFINE_integer("sweep_layers", 16, "layers per sweep cell")
 flags.DEFINE_list("shape", ["2048", "768", "128", "8", "4096"], "D, F, experts, top-k, projection rows (smoke tests)")
 flags.DEFINE_boolean("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke test only)")
+flags.DEFINE_boolean("compile_probe", False, "time the compile of 1 and 8 identical Pallas MoE calls first")
 
 D, F, E, TOPK, NPROJ = 2048, 768, 128, 8, 4096
 SWEEP_LAYERS = 16
@@ -78,21 +80,26 @@ def _copy_bw(iters):
 
 
 def _experts(key, qtype, layers):
-  """Per layer (gate, up, down) QTensors of random valid blocks, each its own buffer (as the model's params:
-  a kernel operand that is a slice of a stacked array would be copied whole by XLA first)."""
+  """(gate, up, down) QTensors stacked over layers: planes [L, E, rows, nb, ...] of random valid blocks."""
   import jax
+  import jax.numpy as jnp
   from ops import repack
   from ops.qtensor import QTensor
   gen = jax.jit(lambda k, shape: repack.random_planes(k, qtype, shape), static_argnums=1)
-  return [tuple(QTensor(gen(jax.random.fold_in(key, 1000 * i + l), shape), qtype, shape[-1], "pallas")
-                for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F)))) for l in range(layers)]
+  out = []
+  for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F))):
+    per = [gen(jax.random.fold_in(key, 1000 * i + l), shape) for l in range(layers)]
+    planes = tuple(jnp.stack([p[j] for p in per]) for j in range(len(per[0])))
+    del per
+    out.append(QTensor(planes, qtype, shape[-1], "pallas"))
+  return tuple(out)
 
 
 def _bf16_experts(key, layers):
   import jax
   import jax.numpy as jnp
-  return [tuple(jax.random.normal(jax.random.fold_in(key, 1000 * i + l), (E, *s), jnp.bfloat16) * 0.02
-                for i, s in enumerate(((F, D), (F, D), (D, F)))) for l in range(layers)]
+  return tuple(jnp.stack([jax.random.normal(jax.random.fold_in(key, 1000 * i + l), (E, *s), jnp.bfloat16) * 0.02
+                          for l in range(layers)]) for i, s in enumerate(((F, D), (F, D), (D, F))))
 
 
 def _routing(key, layers, T):
@@ -109,25 +116,38 @@ def _routed_bytes(ids, per_expert_bytes):
   return int(sum(len(np.unique(ids[l])) for l in range(ids.shape[0])) * per_expert_bytes)
 
 
-def _step_fn(impl, overrides, unroll_layers):
-  """(x, ids [L, T, K], w [L, T, K], gate, up, down) -> x after L layers."""
+def _step_fn(impl, overrides):
+  """(x, ids [n, T, K], w [n, T, K], layer0, (gate, up, down) stacked) -> x after layers layer0 .. layer0+n-1,
+  a lax.scan whose body reads layer l of the stacks in place."""
   import jax
   import jax.numpy as jnp
-  from ops import moe as moe_ops
   from ops import moe_pallas
+  from ops.qtensor import QTensor, as_dense
 
-  def layer(x, ids, w, g, u, d):
+  def sel(w, l, ids):            # layer l's routed experts, one gather (no copy of the layer's slab)
+    if isinstance(w, QTensor):
+      return w.replace(planes=tuple(p[l, ids] for p in w.planes))
+    return w[l, ids]
+
+  def layer(x, l, ids, w, g, u, d):
     if impl == "pallas":
-      y = moe_pallas.moe_pallas(x, ids, w, g, u, d, overrides=overrides)
-    elif impl == "xla":
-      y = moe_ops._moe_gather(x, ids, w, g, u, d)
+      y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=l, overrides=overrides)
+    elif impl == "xla":                       # the reference's math (ops/moe._moe_gather) on layer l's slabs
+      gg, uu, dd = (as_dense(sel(t, l, ids)) for t in (g, u, d))
+      h = jax.nn.silu(jnp.einsum("td,tkfd->tkf", x, gg)) * jnp.einsum("td,tkfd->tkf", x, uu)
+      y = jnp.einsum("tkd,tk->td", jnp.einsum("tkf,tkdf->tkd", h, dd), w)
     else:
-      y = _bf16_moe(x, ids, w, g, u, d)
+      y = _bf16_moe(x, ids, w, g[l], u[l], d[l])
     return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
 
-  def step(x, ids, w, layers):
-    for l, (g, u, d) in enumerate(layers):     # unrolled, as the model's layers
-      x = layer(x, ids[l], w[l], g, u, d)
+  def step(x, ids, w, layer0, layers):
+    g, u, d = layers
+
+    def body(x, xs):
+      l, i, ww = xs
+      return layer(x, l, i, ww, g, u, d), None
+
+    x, _ = jax.lax.scan(body, x, (layer0 + jnp.arange(ids.shape[0], dtype=jnp.int32), ids, w))
     return x
 
   return jax.jit(step)
@@ -145,24 +165,53 @@ def _bf16_moe(x, ids, w, g, u, d):
 
 
 def _proj_fn(impl, overrides):
+  """(x, W stacked [16, N, K]) -> sum of the 16 projections, a lax.scan reading copy l in place."""
   import jax
   import jax.numpy as jnp
   from ops import qmatmul, qmatmul_pallas
 
-  def one(x, w):
+  def one(x, l, w):
     if impl == "pallas":
-      return qmatmul_pallas.qmatmul_pallas(x, w, overrides=overrides)
+      return qmatmul_pallas.qmatmul_pallas(x, w, layer=l, overrides=overrides)
     if impl == "xla":
-      return qmatmul.qmatmul_ref(x, w)
-    return jnp.einsum("bk,nk->bn", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+      return qmatmul.qmatmul_ref(x, w.replace(planes=tuple(p[l] for p in w.planes)))
+    return jnp.einsum("bk,nk->bn", x.astype(jnp.bfloat16), w[l], preferred_element_type=jnp.float32)
 
   def run(x, ws):
-    acc = jnp.zeros((x.shape[0], NPROJ), jnp.float32)
-    for w in ws:
-      acc = acc + one(x, w)
+    n = (ws.planes[0] if hasattr(ws, "planes") else ws).shape[0]
+    acc, _ = jax.lax.scan(lambda a, l: (a + one(x, l, ws), None), jnp.zeros((x.shape[0], NPROJ), jnp.float32),
+                          jnp.arange(n, dtype=jnp.int32))
     return acc
 
   return jax.jit(run)
+
+
+def _compile_probe(q):
+  """Compile time of n identical Pallas MoE calls on n separate per-layer weights (unrolled), n = 1 and 8: does
+  XLA reuse one compiled Triton kernel for identical custom calls?"""
+  import jax
+  import jax.numpy as jnp
+  from ops import moe_pallas, repack
+  from ops.qtensor import QTensor
+  rows = []
+  for n in (1, 8):
+    ws = [tuple(QTensor(repack.random_planes(jax.random.PRNGKey(100 * l + i), q, s), q, s[-1], "pallas")
+                for i, s in enumerate(((E, F, D), (E, F, D), (E, D, F)))) for l in range(n)]
+    x = jnp.ones((1, D), jnp.float32)
+    ids = jnp.arange(TOPK, dtype=jnp.int32)[None]
+    w = jnp.full((1, TOPK), 1.0 / TOPK, jnp.float32)
+
+    def f(x, ws):
+      for g, u, d in ws:
+        x = moe_pallas.moe_pallas(x, ids, w, g, u, d)
+      return x
+
+    t = time.perf_counter()
+    jax.jit(f).lower(x, ws).compile()
+    rows.append({"cell": "compile_probe", "type": q, "calls": n, "compile_s": time.perf_counter() - t})
+    print(f"compile probe {q}: {n} identical MoE calls compile in {rows[-1]['compile_s']:.1f} s", flush=True)
+    del ws
+  return rows
 
 
 def _check(types):
@@ -246,6 +295,9 @@ def main(argv):
   if FLAGS.check:
     for r in _check(FLAGS.types):
       emit(r)
+  if FLAGS.compile_probe:
+    for r in _compile_probe(FLAGS.types[0]):
+      emit(r)
 
   copy = _copy_bw(FLAGS.iters)
   emit({"cell": "copy", "GBps": copy, "argv": sys.argv[1:]})
@@ -260,15 +312,14 @@ def main(argv):
   for q in FLAGS.types:
     per_expert = 3 * quant.row_bytes(q, D) * F            # gate + up (F rows of D) + down (D rows of F): equal
     layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L)
-    wproj = [QTensor(repack.random_planes(jax.random.PRNGKey(7 + i), q, (NPROJ, D)), q, D, "pallas") for i in range(16)]
+    wproj = QTensor(repack.random_planes(jax.random.PRNGKey(7), q, (16, NPROJ, D)), q, D, "pallas")
     proj_bytes = quant.row_bytes(q, D) * NPROJ
     for si, ov in enumerate(sweeps):
       ids, w = _routing(jax.random.PRNGKey(11), L, 1)
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
       try:
-        t = _timeit(_step_fn("pallas", ov, True), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers[:SWEEP_LAYERS],
-                    iters=FLAGS.iters)
+        t = _timeit(_step_fn("pallas", ov), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], 0, layers, iters=FLAGS.iters)
         rec.update(ms=t * 1e3, layers=SWEEP_LAYERS, GBps=_routed_bytes(ids[:SWEEP_LAYERS], per_expert) / t / 1e9)
         rec["pct_copy"] = 100 * rec["GBps"] / copy
         if "proj" in ov:
@@ -284,7 +335,7 @@ def main(argv):
           continue
         del layers
         layers = _bf16_experts(key, L)
-        wp = [jax.random.normal(jax.random.fold_in(key, i), (NPROJ, D), jnp.bfloat16) for i in range(16)]
+        wp = jax.random.normal(key, (16, NPROJ, D), jnp.bfloat16)
       else:
         wp = wproj
       for B in batches:
@@ -296,12 +347,12 @@ def main(argv):
           rec = {"type": qn, "impl": impl, "B": B, "cell": part}
           try:
             if part == "b":
-              t = _timeit(_step_fn(impl, None, True), x, ids, w, layers, iters=FLAGS.iters)
+              t = _timeit(_step_fn(impl, None), x, ids, w, 0, layers, iters=FLAGS.iters)
               nbytes = _routed_bytes(ids, pe)
               rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
             else:
               n1 = min(8, L)
-              t = _timeit(_step_fn(impl, None, True), x, ids[:n1], w[:n1], layers[:n1], iters=FLAGS.iters) / n1
+              t = _timeit(_step_fn(impl, None), x, ids[:n1], w[:n1], 0, layers, iters=FLAGS.iters) / n1
               nbytes = _routed_bytes(ids[:1], pe)
               tp = _timeit(_proj_fn(impl, None), x, wp, iters=FLAGS.iters) / 16
               pb = 2 * NPROJ * D if impl == "bf16" else proj_bytes

@@ -7,9 +7,15 @@ For T <= 16 tokens with top-K routing, P = T*K (token, expert) pairs, p = t*K + 
      [E, F, nb, ...]) over the whole D, dequantizes in registers (the tiles of ops/qmatmul_pallas) and writes
      h[p, rows] = silu(gate . x_t) * (up . x_t), straight into the down type's x layout (`x_view_index`), so no
      op runs between the two kernels.
-  2. down: grid (D / BN, T). Program (i, t) walks its K experts (ids[t*K + k]), reads rows [i*BN, i*BN + BN)
-     of down[e] over F and accumulates w[t, k] * (down[e] . h[t*K + k]): the weighted sum over k happens in
-     registers and out[t, rows] is written once.
+  2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
+     y[p, rows] = w[p] * (down[e] . h[p]). The K partial rows of a token are summed afterwards in a fixed order
+     (a [T, K, D] -> [T, D] reduction XLA fuses), so the result is deterministic and every program is short:
+     at B = 1 the down grid has D / BN * K programs instead of D / BN, which is what keeps the SMs busy.
+
+Stacked layers: planes may carry a leading layer dim ([L, E, F, nb, ...]) with `layer` an int32 scalar; the
+kernels index `[layer, e, rows, ...]` themselves. A model that scans over layers then holds one instance of
+each kernel (XLA compiles every Triton custom call on its own) and XLA never copies a layer's slab out of the
+stack to feed the custom call (it would: an operand sliced from a stacked array is materialised first).
 
 Nothing dequantized is written to memory; h is P x F float32. Tile sizes: ops/qmatmul_pallas.TUNING, with the
 per-kernel overrides of `MOE_TUNING` below. Reference: ops/moe.moe_ref.
@@ -28,23 +34,30 @@ from ops import quant, repack
 F32, I32 = jnp.float32, jnp.int32
 
 # (kernel, qtype) -> overrides of qp.TUNING; "gateup" tiles F rows of gate and up, "down" tiles D rows.
-MOE_TUNING: dict[tuple[str, str], dict] = {("down", q): dict(unroll=8) for q in qp.KERNEL_TYPES}
-MOE_TUNING.update({("gateup", q): dict(S=4 if qp.quant.GGML_TYPES[q][0] == 256 else 16) for q in qp.KERNEL_TYPES})
+MOE_TUNING: dict[tuple[str, str], dict] = {("down", q): dict(S=1 if qp.quant.GGML_TYPES[q][0] == 256 else 8)
+                                           for q in qp.KERNEL_TYPES}
+MOE_TUNING.update({("gateup", q): dict(S=2 if qp.quant.GGML_TYPES[q][0] == 256 else 16) for q in qp.KERNEL_TYPES})
 
 
-def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb, unroll, down_qtype):
+def _lead(lid_ref, e):
+  """Leading plane index: (layer, expert) for stacked planes, (expert,) otherwise."""
+  return (e,) if lid_ref is None else (lid_ref[0], e)
+
+
+def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb, unroll, down_qtype, stacked):
+  lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, h_ref = refs
   n = len(names)
   G, U = dict(zip(names, w_refs[:n])), dict(zip(names, w_refs[n:]))
   p = pl.program_id(1)
-  e = ids_ref[p]
+  pre = _lead(lid_ref, ids_ref[p])
   t = p // K
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), F - 1)
 
   def tile_sums(b0, s):
     xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *idx)]]
-    g = qp.TILES[qtype](lambda name, *idx: G[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
-    u = qp.TILES[qtype](lambda name, *idx: U[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+    g = qp.TILES[qtype](lambda name, *idx: G[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+    u = qp.TILES[qtype](lambda name, *idx: U[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     return jnp.sum(g, axis=1), jnp.sum(u, axis=1)
 
   zero = jnp.zeros((BN,), F32)
@@ -53,26 +66,21 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
   h_ref[p, qp.x_view_index(down_qtype, rows)] = h
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, K, D, BN, S, nb, unroll):
+def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked):
+  lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
-  t = pl.program_id(1)
+  p = pl.program_id(1)
+  pre = _lead(lid_ref, ids_ref[p])
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), D - 1)
 
-  def expert(k, acc):
-    p = t * K + k
-    e = ids_ref[p]
+  def tile_sums(b0, s):
+    xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *idx)]]
+    y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+    return (jnp.sum(y, axis=1),)
 
-    def tile_sums(b0, s):
-      xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *idx)]]
-      y = qp.TILES[qtype](lambda name, *idx: W[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
-      return (jnp.sum(y, axis=1),)
-
-    (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
-    return acc + w_ref[p] * y
-
-  acc = qp.block_loop(K, unroll, expert, jnp.zeros((BN,), F32))
-  o_ref[t, rows] = acc
+  (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
+  o_ref[p, rows] = w_ref[p] * y
 
 
 def supported(x_TD, ids_TK, gate, up, down) -> bool:
@@ -88,35 +96,47 @@ def _cfg(kernel, qtype, rows, nb, overrides):
 
 
 @functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd"))
-def _moe(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd):
+def _moe(x_TD, ids_TK, w_TK, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd):
   T, K = ids_TK.shape
   P = T * K
   ids = ids_TK.reshape(P).astype(I32)
+  stacked = layer is not None
+  lid = () if layer is None else (jnp.asarray(layer, I32).reshape(1),)
   cg, cd = dict(cg), dict(cd)
   nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
   names_g, names_d = repack.plane_names(gq), repack.plane_names(dq)
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, K=K, F=F, BN=cg["BN"], S=cg["S"],
-                             nb=nbD, unroll=cg["unroll"], down_qtype=dq)
+                             nb=nbD, unroll=cg["unroll"], down_qtype=dq, stacked=stacked)
   h = pl.pallas_call(
       gateup, out_shape=jax.ShapeDtypeStruct((P, F), F32), grid=(pl.cdiv(F, cg["BN"]), P),
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
-  )(ids, qp.x_view(x_TD.astype(F32), gq), qp.table(gq), *gplanes, *uplanes)
+  )(ids, qp.x_view(x_TD.astype(F32), gq), qp.table(gq), *lid, *gplanes, *uplanes)
   h = h.reshape(P, nbF, *(qp.XVIEW[dq][i] for i in qp.XPERM[dq]))        # already in the x layout of dq
-  down = functools.partial(_down_kernel, qtype=dq, names=names_d, K=K, D=D, BN=cd["BN"], S=cd["S"],
-                           nb=nbF, unroll=cd["unroll"])
-  return pl.pallas_call(
-      down, out_shape=jax.ShapeDtypeStruct((T, D), F32), grid=(pl.cdiv(D, cd["BN"]), T),
+  down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd["BN"], S=cd["S"], nb=nbF,
+                           unroll=cd["unroll"], stacked=stacked)
+  y = pl.pallas_call(
+      down, out_shape=jax.ShapeDtypeStruct((P, D), F32), grid=(pl.cdiv(D, cd["BN"]), P),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",
-  )(ids, w_TK.reshape(P).astype(F32), h, qp.table(dq), *dplanes)
+  )(ids, w_TK.reshape(P).astype(F32), h, qp.table(dq), *lid, *dplanes)
+  y = y.reshape(T, K, D)
+  out = y[:, 0]
+  for k in range(1, K):                      # fixed order: out = ((y0 + y1) + y2) + ...
+    out = out + y[:, k]
+  return out
 
 
-def moe_pallas(x_TD, ids_TK, w_TK, gate, up, down, *, interpret: bool = False, overrides: dict | None = None):
+def moe_pallas(x_TD, ids_TK, w_TK, gate, up, down, *, layer=None, interpret: bool = False,
+               overrides: dict | None = None):
   """sum_k w[t, k] * down[e](silu(gate[e] x_t) * up[e] x_t), e = ids[t, k]; packed QTensor experts
-  gate/up [E, F, D], down [E, D, F]; T <= 16. overrides: {"gateup": {...}, "down": {...}} tile sizes."""
-  if not supported(x_TD, ids_TK, gate, up, down):
-    raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} with {ids_TK.shape[0]} tokens")
-  E, F, D = gate.shape
+  gate/up [E, F, D], down [E, D, F]; T <= 16. With `layer` (an int32 scalar, may be traced) the experts are
+  stacked over layers, [L, E, F, D] / [L, E, D, F], and layer `layer` is used without slicing it out.
+  overrides: {"gateup": {...}, "down": {...}} tile sizes."""
+  g3, u3, d3 = (w if layer is None else w[0] for w in (gate, up, down))   # per-layer view, for the checks only
+  if not supported(x_TD, ids_TK, g3, u3, d3) or len(gate.shape) != 3 + (layer is not None):
+    raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} {gate.shape} with {ids_TK.shape[0]} "
+                     f"tokens{'' if layer is None else ' and a layer index'}")
+  E, F, D = g3.shape
   nbD, nbF = D // quant.GGML_TYPES[gate.qtype][0], F // quant.GGML_TYPES[down.qtype][0]
-  return _moe(x_TD, ids_TK, w_TK, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
+  return _moe(x_TD, ids_TK, w_TK, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
               gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret,
               cg=_cfg("gateup", gate.qtype, F, nbD, overrides), cd=_cfg("down", down.qtype, D, nbF, overrides))

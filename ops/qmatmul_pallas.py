@@ -363,13 +363,15 @@ def compiler_params(c: dict):
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll):
+def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll, stacked):
+  lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
+  pre = () if lid_ref is None else (lid_ref[0],)
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), N - 1)
 
   def tile_sums(b0, s):
-    ld = lambda name, *idx: W[name][(rows, pl.ds(b0, s), *idx)]
+    ld = lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)]
     xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, s), *idx)], b) for b in range(B)]
     return tuple(jnp.sum(o, axis=1) for o in TILES[qtype](ld, xs, tab_ref))
 
@@ -379,32 +381,39 @@ def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll):
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "n", "interpret", "cfg"))
-def _qmatmul(x2, planes, *, qtype, n, interpret, cfg):
+def _qmatmul(x2, layer, planes, *, qtype, n, interpret, cfg):
   c = dict(cfg)
   B = x2.shape[0]
-  N = planes[0].shape[0]
+  stacked = layer is not None
+  N = planes[0].shape[int(stacked)]
+  lid = (jnp.asarray(layer, I32).reshape(1),) if stacked else ()
   nb = n // quant.GGML_TYPES[qtype][0]
   names = repack.plane_names(qtype)
   kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=c["BN"], S=c["S"], nb=nb,
-                             unroll=c["unroll"])
+                             unroll=c["unroll"], stacked=stacked)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((B, N), F32), grid=(pl.cdiv(N, c["BN"]),),
       compiler_params=compiler_params(c), interpret=interpret, name=f"qmatmul_{qtype.lower()}",
-  )(x_view(x2.astype(F32), qtype), table(qtype), *planes)
+  )(x_view(x2.astype(F32), qtype), table(qtype), *lid, *planes)
 
 
 def supported(w, batch: int) -> bool:
   return w.qtype in TILES and 1 <= batch <= MAX_B and len(w.shape) == 2
 
 
-def qmatmul_pallas(x: jax.Array, w, *, interpret: bool = False, overrides: dict | None = None) -> jax.Array:
-  """x [..., K] @ W[N, K]^T -> [..., N] float32 with W a 2-D QTensor of a type in KERNEL_TYPES; B <= MAX_B."""
-  N, K = w.shape
+def qmatmul_pallas(x: jax.Array, w, *, layer=None, interpret: bool = False,
+                   overrides: dict | None = None) -> jax.Array:
+  """x [..., K] @ W[N, K]^T -> [..., N] float32 with W a 2-D QTensor of a type in KERNEL_TYPES; B <= MAX_B.
+  With `layer` (int32 scalar, may be traced) W is stacked [L, N, K] and layer `layer` is read in place."""
+  w2 = w if layer is None else w[0]
+  N, K = w2.shape
   lead = x.shape[:-1]
   x2 = x.reshape(-1, K)
-  if not supported(w, x2.shape[0]):
-    raise ValueError(f"qmatmul_pallas: {w.qtype} {w.shape} with batch {x2.shape[0]} is not supported")
+  if not supported(w2, x2.shape[0]) or len(w.shape) != 2 + (layer is not None):
+    raise ValueError(f"qmatmul_pallas: {w.qtype} {w.shape} with batch {x2.shape[0]}"
+                     f"{'' if layer is None else ' and a layer index'} is not supported")
   nb = K // quant.GGML_TYPES[w.qtype][0]
   cfg = config(w.qtype, N, nb, overrides, batch=x2.shape[0])
-  y = _qmatmul(x2, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret, cfg=tuple(sorted(cfg.items())))
+  y = _qmatmul(x2, layer, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret,
+               cfg=tuple(sorted(cfg.items())))
   return y.reshape(*lead, N)

@@ -85,6 +85,36 @@ def test_moe_interpret_matches_reference(gq, dq, B):
   assert _relerr(y, r) < 1e-5
 
 
+@pytest.mark.parametrize("gq,dq", [("IQ3_S", "Q4_K"), ("Q8_0", "IQ4_NL")])
+def test_moe_stacked_layer_index_matches_reference(gq, dq):
+  """Stacked [L, E, ...] experts with a traced layer index (the scan-over-layers entry) equal the reference on
+  that layer's experts."""
+  rng = np.random.default_rng(11)
+  L, E, F, D, K, B = 3, 4, 256, 256, 2, 2
+  g = QTensor.from_gguf(quant.random_blocks(gq, (L, E, F, D), rng), gq, D)
+  u = QTensor.from_gguf(quant.random_blocks(gq, (L, E, F, D), rng), gq, D)
+  d = QTensor.from_gguf(quant.random_blocks(dq, (L, E, D, F), rng), dq, F)
+  x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
+  w = jnp.asarray(rng.random((B, K)).astype(np.float32))
+  ov = {"gateup": dict(BN=64, S=1), "down": dict(BN=64, S=1)}
+  f = jax.jit(lambda l: moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=l, interpret=True, overrides=ov))
+  for l in (0, 2):
+    r = moe_ops.moe_ref(x, ids, w, g[l], u[l], d[l])
+    assert _relerr(f(jnp.int32(l)), r) < 1e-5
+  with pytest.raises(ValueError, match="layer index"):
+    moe_pallas.moe_pallas(x, ids, w, g[0], u[0], d[0], layer=0, interpret=True)
+
+
+def test_qmatmul_stacked_layer_index_matches_reference():
+  rng = np.random.default_rng(12)
+  w = QTensor.from_gguf(quant.random_blocks("Q4_K", (3, 40, 512), rng), "Q4_K", 512)
+  x = jnp.asarray(rng.standard_normal((2, 512)).astype(np.float32))
+  f = jax.jit(lambda l: qmatmul_pallas.qmatmul_pallas(x, w, layer=l, interpret=True, overrides=dict(BN=16, S=1)))
+  for l in (0, 2):
+    assert _relerr(f(jnp.int32(l)), qmatmul.qmatmul_ref(x, w[l])) < 1e-5
+
+
 def test_dispatch_uses_kernel_field_and_falls_back():
   rng = np.random.default_rng(3)
   w = QTensor.from_gguf(quant.random_blocks("Q8_0", (16, 64), rng), "Q8_0", 64)
