@@ -81,7 +81,7 @@ class ExpertCache:
     moved, steps = self.bytes_moved, [int(x) for x in self.steps]
 
     def per_step(blocks):
-      return sum(moved[b] / steps[b] for b in blocks if steps[b])
+      return float(sum(moved[b] / steps[b] for b in blocks if steps[b]))
 
     nb = len(self.pool_of_block)
     return {"hits": [int(x) for x in self.hits], "misses": [int(x) for x in self.misses], "bytes_moved": moved,

@@ -10,10 +10,10 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
   a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies;
   b/step the routed-expert work of a decode step: 48 layers in one jitted call (layer l+1 takes layer l's output,
          RMS-normalised), so launch latency counts as in decoding.
-Every weight is stacked over layers ([L, E, F, D] planes) and the layers run as a `lax.scan` whose body passes
-the layer index to the kernels (`moe_pallas(..., layer=l)`), so one kernel instance serves all layers: XLA
-compiles each Triton custom call on its own (seconds each), and an operand sliced out of a stack would be
-copied whole first. `--compile_probe` measures that: compile time of n identical kernel calls for n = 1, 8.
+Every weight is stacked over layers ([L, E, F, D] planes) and each layer passes its index to the kernels
+(`moe_pallas(..., layer=l)`): an operand sliced out of a stack would be copied whole by XLA first. Layers are
+unrolled as in the model (`--layer_loop scan` for a lax.scan). XLA reuses one compiled Triton kernel for
+identical custom calls (`--compile_probe`: compile time of 1 and 8 identical calls; 2.7 s and 1.9 s on the H200).
 Implementations: `pallas` (ops/moe_pallas, ops/qmatmul_pallas), `xla` (the jnp reference: gather the routed
 slabs, dequantize, dot), `bf16` (dense bfloat16 weights, gather + dot; its own bytes).
 GB/s counts the bytes of the distinct routed experts' packed weights (GGUF bytes: planes hold the same bytes);
@@ -44,6 +44,8 @@ flags.DEFINE_string("sweep", "", "JSON list of tile overrides {'gateup': {...}, 
 flags.DEFINE_integer("sweep_layers", 16, "layers per sweep cell")
 flags.DEFINE_list("shape", ["2048", "768", "128", "8", "4096"], "D, F, experts, top-k, projection rows (smoke tests)")
 flags.DEFINE_boolean("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke test only)")
+flags.DEFINE_enum("layer_loop", "unroll", ["unroll", "scan"], "layers unrolled (as the model) or a lax.scan "
+                  "(XLA's GPU while loop syncs with the host every iteration)")
 flags.DEFINE_boolean("compile_probe", False, "time the compile of 1 and 8 identical Pallas MoE calls first")
 
 D, F, E, TOPK, NPROJ = 2048, 768, 128, 8, 4096
@@ -117,8 +119,8 @@ def _routed_bytes(ids, per_expert_bytes):
 
 
 def _step_fn(impl, overrides):
-  """(x, ids [n, T, K], w [n, T, K], layer0, (gate, up, down) stacked) -> x after layers layer0 .. layer0+n-1,
-  a lax.scan whose body reads layer l of the stacks in place."""
+  """(x, ids [n, T, K], w [n, T, K], (gate, up, down) stacked) -> x after layers 0 .. n-1, each reading layer l of
+  the stacks in place: unrolled (as the model) or a lax.scan (--layer_loop)."""
   import jax
   import jax.numpy as jnp
   from ops import moe_pallas
@@ -140,14 +142,15 @@ def _step_fn(impl, overrides):
       y = _bf16_moe(x, ids, w, g[l], u[l], d[l])
     return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
 
-  def step(x, ids, w, layer0, layers):
+  def step(x, ids, w, layers):
     g, u, d = layers
-
-    def body(x, xs):
-      l, i, ww = xs
-      return layer(x, l, i, ww, g, u, d), None
-
-    x, _ = jax.lax.scan(body, x, (layer0 + jnp.arange(ids.shape[0], dtype=jnp.int32), ids, w))
+    if FLAGS.layer_loop == "scan":
+      def body(x, xs):
+        l, i, ww = xs
+        return layer(x, l, i, ww, g, u, d), None
+      return jax.lax.scan(body, x, (jnp.arange(ids.shape[0], dtype=jnp.int32), ids, w))[0]
+    for l in range(ids.shape[0]):            # unrolled as the model's layers; one kernel instance (same config)
+      x = layer(x, jnp.int32(l), ids[l], w[l], g, u, d)
     return x
 
   return jax.jit(step)
@@ -319,7 +322,7 @@ def main(argv):
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
       try:
-        t = _timeit(_step_fn("pallas", ov), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], 0, layers, iters=FLAGS.iters)
+        t = _timeit(_step_fn("pallas", ov), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
         rec.update(ms=t * 1e3, layers=SWEEP_LAYERS, GBps=_routed_bytes(ids[:SWEEP_LAYERS], per_expert) / t / 1e9)
         rec["pct_copy"] = 100 * rec["GBps"] / copy
         if "proj" in ov:
@@ -347,12 +350,12 @@ def main(argv):
           rec = {"type": qn, "impl": impl, "B": B, "cell": part}
           try:
             if part == "b":
-              t = _timeit(_step_fn(impl, None), x, ids, w, 0, layers, iters=FLAGS.iters)
+              t = _timeit(_step_fn(impl, None), x, ids, w, layers, iters=FLAGS.iters)
               nbytes = _routed_bytes(ids, pe)
               rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
             else:
               n1 = min(8, L)
-              t = _timeit(_step_fn(impl, None), x, ids[:n1], w[:n1], 0, layers, iters=FLAGS.iters) / n1
+              t = _timeit(_step_fn(impl, None), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
               nbytes = _routed_bytes(ids[:1], pe)
               tp = _timeit(_proj_fn(impl, None), x, wp, iters=FLAGS.iters) / 16
               pb = 2 * NPROJ * D if impl == "bf16" else proj_bytes

@@ -1,10 +1,13 @@
-"""Expert cache (issue 6): outputs bitwise equal to every-expert-resident for any N >= top_k, and the miss
-counts of its LRU policy equal an independent simulation over the routing of the float64 reference."""
+"""Expert cache (issue 6): outputs bitwise equal to every-expert-resident for any N >= top_k, the miss counts of
+its LRU policy equal an independent simulation over the routing of the float64 reference, and the store's
+placement (a no-op on CPU; pinned host memory, which jax's CPU client also has, read through `ensure`)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,16 +28,19 @@ def _m(arch, kind):
   return load_model(model_path(arch, kind))
 
 
-def _decode(m, slots, policy="lru", n_prompt=20):
+def _decode(m, slots, policy="lru", n_prompt=20, step_params=None):
+  """Prefill (store read directly: T * top_k > E) then STEPS greedy decode steps with `step_params` (default:
+  m.params), whose store may be placed elsewhere."""
+  step_params = m.params if step_params is None else step_params
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 1000, n_prompt), jnp.int32)
   st = api.init_state(m.cfg, 1024, "bf16")
   if slots is not None:
-    st = st.replace(experts=xc.create(m.params, m.cfg, slots, policy))
+    st = st.replace(experts=xc.create(step_params, m.cfg, slots, policy))
   lg, _, st = api.prefill(m.params, toks, st, cfg=m.cfg)
   out, t, seq = [np.asarray(lg)], jnp.argmax(lg[-1]), list(np.asarray(toks))
   for _ in range(STEPS):
     seq.append(int(t))
-    l, _, st = api.decode_step(m.params, t, st, cfg=m.cfg)
+    l, _, st = api.decode_step(step_params, t, st, cfg=m.cfg)
     out.append(np.asarray(l)[None])
     t = jnp.argmax(l)
   return np.concatenate(out), st, seq
@@ -50,9 +56,13 @@ def test_logits_bitwise_equal_to_all_resident(arch, kind, policy):
     np.testing.assert_array_equal(got, ref, err_msg=f"{arch} {kind} {policy} N={slots}")
     s = st.experts.stats()
     moe_blocks = [i for i in range(m.cfg.n_layers) if m.cfg.is_moe_layer(i)]
+    slab = xc.slab_bytes(m.params, m.cfg)
     for b in moe_blocks:    # each decode step routes top_k experts per MoE block through the cache
-      assert s["hits"][b] + s["misses"][b] == STEPS * m.cfg.top_k
+      assert s["hits"][b] + s["misses"][b] == STEPS * m.cfg.top_k and s["steps"][b] == STEPS
+      assert s["bytes_moved"][b] == s["misses"][b] * slab[st.experts.pool_of_block[b]]
     assert sum(s["misses"]) > 0 and s["bytes_moved"][moe_blocks[0]] > 0
+    assert s["bytes_per_step"] == sum(s["bytes_moved"][b] for b in moe_blocks) / STEPS
+    assert s["store_memory_kind"] == "device"
 
 
 def test_lru_misses_equal_an_independent_simulation():
@@ -100,3 +110,40 @@ def test_speculative_and_plain_with_cache_equal_without():
                               expert_slots=64, mtp_window=256)
   assert spec.ids == base.ids
   assert spec.stats["expert_cache"]["misses"][-1] > 0          # the NextN block's experts: their own class
+
+
+def test_store_placement_is_a_noop_on_cpu():
+  """On CPU the store stays where it is: one function decides, and the cache records the store's kind."""
+  if jax.devices()[0].platform != "cpu":
+    pytest.skip("CPU placement")
+  m = _m("qwen3moe", "IQ3_S")
+  assert xc.store_memory_kind() == "device"
+  assert xc.place_store(m.params, m.cfg) is m.params
+  assert {k for ks in xc.store_kinds(m.params, m.cfg).values() for k in ks} == {"device"}
+  assert xc.create(m.params, m.cfg, m.cfg.top_k).store_memory_kind == "device"
+
+
+@pytest.mark.skipif("pinned_host" not in {mem.kind for mem in jax.devices()[0].addressable_memories()},
+                    reason="no pinned_host memory kind on this backend")
+def test_store_in_pinned_host_memory_bitwise_equal():
+  """The store placed in pinned host memory (jax's CPU client has the kind): decode steps read it only through
+  `ensure` (a dynamic slice of the missed expert, moved to the device), with logits bitwise equal to every expert
+  resident and the same counters as a device store; the prefill reads the device copy (T * top_k > E)."""
+  m = _m("qwen3moe", "IQ3_S")
+  host = xc.place_store(m.params, m.cfg, "pinned_host")
+  assert {k for ks in xc.store_kinds(host, m.cfg).values() for k in ks} == {"pinned_host"}
+  assert host["token_embd"] is m.params["token_embd"]           # only the experts move
+  ref, _, _ = _decode(m, None)
+  _, dev_st, _ = _decode(m, m.cfg.top_k)
+  got, st, _ = _decode(m, m.cfg.top_k, step_params=host)
+  np.testing.assert_array_equal(got, ref)
+  s, d = st.experts.stats(), dev_st.experts.stats()
+  assert s.pop("store_memory_kind") == "pinned_host" and d.pop("store_memory_kind") == "device"
+  assert s == d and sum(s["misses"]) > 0
+  # the engine's jitted loop (a while_loop over decode steps) with a prompt short enough (T * top_k <= E) that
+  # the prefill also goes through the cache: the same tokens as every expert resident
+  prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1000, m.cfg.n_experts // m.cfg.top_k)]
+  base = generate(m, prompt, max_new_tokens=8, stop_at_eos=False)
+  on_host = generate(dataclasses.replace(m, params=host), prompt, max_new_tokens=8, stop_at_eos=False,
+                     expert_slots=m.cfg.top_k)
+  assert on_host.ids == base.ids and on_host.stats["expert_cache"]["store_memory_kind"] == "pinned_host"
