@@ -19,7 +19,12 @@ Tiling.
           (0, -inf, 0). A jnp log-sum-exp over the static S axis merges the partials.
   loads   per tile: K, V [bk, Dh] of head h (strided by Hkv*Dh in the ring), converted to float32 in
           registers; int8 rows are multiplied by their scale [bk] there (never dequantized in memory).
-  dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh], float32 inputs (IEEE on Triton).
+  dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh] on the tensor cores, 3xTF32 (each float32
+          operand split into a TF32 high part and a TF32 remainder, three MMAs: about float32 accuracy; the
+          plain IEEE float32 FMA path ran ~100 GB/s at 32K). int8 rows enter the dots as their integers
+          (exact in TF32, so the split costs nothing there): the K scale multiplies the scores column after
+          the dot and the V scale multiplies p's column before it. Every output row depends only on its own
+          query row (an MMA's row is a dot of that row), so 1 query and k+1 verify queries agree.
 
 The whole layer stack goes in with the layer index as an int32 input (`layer=`): slicing `ring.k[L]` outside
 makes XLA copy the layer (R-proportional bytes) before the custom call. Per-row arithmetic depends on
@@ -43,7 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 
 NEG_INF = -1e30          # as the reference: finite, so exp(NEG_INF - NEG_INF) = 1 never makes a NaN
 MAX_T = 8                # queries per call the kernel takes (decode, verify of up to 7 drafts); more -> reference
-TARGET_PROGRAMS = 128    # ~ one wave of programs on an H200 (132 SMs): S = TARGET_PROGRAMS / Hkv splits
+TARGET_PROGRAMS = 256    # ~ two programs per SM on an H200 (132 SMs): S = TARGET_PROGRAMS / Hkv splits
 MAX_SPLITS = 64
 MIN_TILES_PER_SPLIT = 1
 
@@ -111,14 +116,16 @@ def split_schedule(n_tiles, n_splits_max: int, min_tiles: int = MIN_TILES_PER_SP
   return (n + tps - 1) // tps, tps
 
 
-def _dot(a, b, b_contract: int):
-  """2-D float32 dot contracting a's last axis with b's axis `b_contract` (IEEE float32 on Triton)."""
-  return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=lax.Precision.HIGHEST,
+def _dot(a, b, b_contract: int, tc: bool):
+  """2-D float32 dot contracting a's last axis with b's axis `b_contract`: 3xTF32 on the tensor cores when
+  `tc` (compiled), float32 otherwise (interpret mode on CPU, which has no TF32 algorithm)."""
+  prec = lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if tc else lax.Precision.HIGHEST
+  return lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=prec,
                          preferred_element_type=jnp.float32)
 
 
 def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
-            count_visits: bool):
+            count_visits: bool, tc: bool):
   """Program (h, s): online softmax of q rows of kv head h over its range of live tiles."""
   if quant:
     ks_ref, vs_ref, *refs = refs
@@ -142,12 +149,11 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
     m, l, acc = carry
     pos0 = i * bk
     slot0 = pl.multiple_of(lax.rem(i, n_slot_tiles) * bk, bk)
-    k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(jnp.float32)       # [bk, Dh]
+    k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(jnp.float32)       # [bk, Dh] (int8: the integers)
     v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(jnp.float32)
+    sc = _dot(q, k, 1, tc)                                                 # [P, bk] = q k^T
     if quant:
-      k = k * ks_ref[layer, pl.ds(slot0, bk), h][:, None]
-      v = v * vs_ref[layer, pl.ds(slot0, bk), h][:, None]
-    sc = _dot(q, k, 1)                                                     # [P, bk] = q k^T
+      sc = sc * ks_ref[layer, pl.ds(slot0, bk), h][None, :]
     kpos = pos0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     ok = (kpos <= rowpos[:, None]) & (kpos >= oldest)                     # [P, bk]
     sc = jnp.where(ok, sc, NEG_INF)
@@ -156,7 +162,8 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
     p = jnp.where(ok, p, 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=1)
-    acc = acc * corr[:, None] + _dot(p, v, 0)
+    pv = p * vs_ref[layer, pl.ds(slot0, bk), h][None, :] if quant else p
+    acc = acc * corr[:, None] + _dot(pv, v, 0, tc)
     return m_new, l, acc
 
   init = (jnp.full((P,), NEG_INF, jnp.float32), jnp.zeros((P,), jnp.float32), jnp.zeros((P, Dh), jnp.float32))
@@ -221,7 +228,7 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
   if count_visits:
     out_shape.append(jax.ShapeDtypeStruct((Hkv, S, P), jnp.int32))
     out_specs.append(pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)))
-  kernel = functools.partial(_kernel, bk=bk, capacity=R, quant=quant, count_visits=count_visits)
+  kernel = functools.partial(_kernel, bk=bk, capacity=R, quant=quant, count_visits=count_visits, tc=not interpret)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=in_specs, out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),

@@ -5,7 +5,7 @@
     them, dots;
   - many tokens (T*k > E, prefill): `_moe_grouped` computes only the T*k routed (token, expert) pairs: the pairs
     are sorted by expert, cut into fixed-size row tiles that each belong to one expert, and a scan runs one tile
-    per step (dequantize that expert, three [M, D] x [D, F]-sized dots), so the work is ~T*k rows, not T*E.
+    per step (that expert's three [M, D] x [D, F]-sized dots), so the work is ~T*k rows, not T*E.
 `_moe_dense` (every expert on every token, weighted by a combine weight that is zero for tokens that did not pick
 it: E/k times the FLOPs) is kept as a second reference. `moe` dispatches on the experts' `kernel` field:
 "pallas" / "interpret" run the fused Pallas kernels of ops/moe_pallas.py (gate+up+SiLU, then down with the
@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ops.qtensor import QTensor, as_dense
+from ops.qtensor import QTensor, as_dense, weight_shape
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -57,14 +57,20 @@ def _moe_dense(x_TD, ids_TK, w_TK, gate, up, down, n_experts):
 # ------------------------------------------------------------------------------------------ grouped (prefill)
 
 GROUPED_IMPLS = ("tiles", "ragged_dot")
+# Largest float32 copy of all of a layer's experts (bytes) that `_moe_grouped` makes up front instead of
+# dequantizing one expert per tile (read at trace time).
+GROUPED_DEQUANT_BUDGET = 256 << 20
+# Rows per tile of `_moe_grouped` (None: `grouped_tile_rows`, from the mean rows per expert; read at trace time).
+GROUPED_ROWS_PER_TILE: int | None = None
 
 
 def grouped_tile_rows(n_pairs: int, n_experts: int) -> int:
   """Default rows per tile M of `_moe_grouped`: the power of two nearest the mean rows per expert, in [8, 256].
 
   The scan length is static, NT = (P + min(E, P) * (M - 1)) // M (any expert may end on a partial tile), and
-  every step dequantizes one expert: a larger M means fewer steps and dequantizations, a smaller one fewer
-  padded rows. Near the mean, NT <= 2E and the padded rows at most double the P routed ones.
+  each step has a fixed cost (launches, and dequantizing its expert unless all were dequantized up front): a
+  larger M means fewer steps, a smaller one fewer padding rows. With M within a factor sqrt(2) of the mean,
+  NT < 2.5 E and the NT*M rows computed are < 2.5 P.
   """
   mean = max(1.0, n_pairs / n_experts)
   return int(min(256, max(8, 1 << round(math.log2(mean)))))
@@ -80,44 +86,60 @@ def _route_sorted(ids_TK, n_experts):
 
 
 def _combine(y_PD, w_TK):
-  """Per-pair outputs (pair order t*K + k) weighted by the router and summed over k, as `_moe_gather`."""
+  """Per-pair outputs (pair order t*K + k) times their router weight, summed over k: [T, D]."""
   T, K = w_TK.shape
-  return jnp.einsum("tkd,tk->td", y_PD.reshape(T, K, -1), w_TK.astype(jnp.float32), precision=HIGHEST)
+  return jnp.sum(y_PD.reshape(T, K, -1) * w_TK.astype(jnp.float32)[:, :, None], axis=1)
 
 
-def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile):
+def _expert_fn(w, n_experts, predequantize):
+  """e -> expert e of `w` as dense float32: indexed from a copy of all experts dequantized up front when
+  `predequantize` and w is packed, else dequantized on the spot (plain arrays: indexed and cast)."""
+  if predequantize and isinstance(w, QTensor):
+    dense = as_dense(w)
+    return lambda e: dense[e]
+  return lambda e: as_dense(_take(w, e))
+
+
+def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, dequant_budget):
   T, K = ids_TK.shape
   P, E, D = T * K, n_experts, x_TD.shape[-1]
-  M = int(rows_per_tile or grouped_tile_rows(P, E))
+  F = weight_shape(gate)[-2]
+  M = int(rows_per_tile or GROUPED_ROWS_PER_TILE or grouped_tile_rows(P, E))
   NT = (P + min(E, P) * (M - 1)) // M                       # static bound on the tiles of any routing
   x = x_TD.astype(jnp.float32)
   flat, order, counts, starts = _route_sorted(ids_TK, E)
 
   # Tiles: expert e owns ceil(counts[e] / M) consecutive tiles from tile_start[e]; its j-th sorted pair sits in
-  # row tile_start[e] * M + j of the padded layout [NT * M]. Rows past an expert's count (and tiles past the
-  # last expert's) are padding: they run on token 0 and are never read back.
+  # row tile_start[e] * M + j of the padded layout [NT * M]. Padding rows (past an expert's count, or in tiles
+  # past the last expert's) run on token 0 and are dropped by the scatter (pair index P is out of bounds).
   n_tiles = (counts + M - 1) // M
   tile_end = jnp.cumsum(n_tiles)
   tile_start = tile_end - n_tiles
   sorted_e = flat[order]
-  row_sorted = tile_start[sorted_e] * M + (jnp.arange(P, dtype=jnp.int32) - starts[sorted_e])   # [P]
+  row_sorted = tile_start[sorted_e] * M + (jnp.arange(P, dtype=jnp.int32) - starts[sorted_e])   # [P], ascending
   row_tok = jnp.zeros((NT * M,), jnp.int32).at[row_sorted].set(order // K, indices_are_sorted=True,
                                                                 unique_indices=True)
-  row_of_pair = jnp.zeros((P,), jnp.int32).at[order].set(row_sorted, unique_indices=True)
+  row_pair = jnp.full((NT * M,), P, jnp.int32).at[row_sorted].set(order, indices_are_sorted=True,
+                                                                  unique_indices=True)
   # expert of tile i: the number of experts whose tiles end at or before i (E past the last: clamped)
   tile_e = jnp.minimum(jnp.sum(tile_end[None, :] <= jnp.arange(NT, dtype=jnp.int32)[:, None], axis=1,
                                dtype=jnp.int32), E - 1)
 
-  def one(_, tile):
-    e, tok = tile
-    g, u, d = as_dense(_take(gate, e)), as_dense(_take(up, e)), as_dense(_take(down, e))
+  pre = 4 * E * 3 * F * D <= dequant_budget
+  gate_e, up_e, down_e = (_expert_fn(w, E, pre) for w in (gate, up, down))
+
+  def one(y_PD, tile):
+    e, tok, pair = tile
+    g, u, d = gate_e(e), up_e(e), down_e(e)
     xt = x[tok]                                                                  # [M, D]
     h = (jax.nn.silu(jnp.einsum("md,fd->mf", xt, g, precision=HIGHEST))
          * jnp.einsum("md,fd->mf", xt, u, precision=HIGHEST))
-    return None, jnp.einsum("mf,df->md", h, d, precision=HIGHEST)
+    yt = jnp.einsum("mf,df->md", h, d, precision=HIGHEST)
+    return y_PD.at[pair].set(yt, unique_indices=True, mode="drop"), None       # back to pair order t*K + k
 
-  _, y = jax.lax.scan(one, None, (tile_e, row_tok.reshape(NT, M)))              # [NT, M, D]
-  return _combine(y.reshape(NT * M, D)[row_of_pair], w_TK)
+  tiles = (tile_e, row_tok.reshape(NT, M), row_pair.reshape(NT, M))
+  y, _ = jax.lax.scan(one, jnp.zeros((P, D), jnp.float32), tiles)                # [P, D], pair order
+  return _combine(y, w_TK)
 
 
 def _moe_grouped_ragged(x_TD, ids_TK, w_TK, gate, up, down, n_experts):
@@ -135,27 +157,35 @@ def _moe_grouped_ragged(x_TD, ids_TK, w_TK, gate, up, down, n_experts):
   return _combine(ys[inv], w_TK)
 
 
-def _moe_grouped(x_TD, ids_TK, w_TK, gate, up, down, n_experts, *, impl="tiles", rows_per_tile=None):
-  """The routed pairs only: P = T*k (token, expert) pairs, sorted by expert; float32, HIGHEST-precision dots.
+def _moe_grouped(x_TD, ids_TK, w_TK, gate, up, down, n_experts, *, impl="tiles", rows_per_tile=None,
+                 dequant_budget=None):
+  """The routed pairs only: P = T*k (token, expert) pairs, sorted by expert (stable); float32, dots at HIGHEST.
 
   impl="tiles" (default): the sorted pairs are laid out in row tiles of M rows (`rows_per_tile`, default
   `grouped_tile_rows(P, E)`), each tile holding pairs of one expert (an expert's last tile is padded), and a
-  `lax.scan` of static length NT = (P + min(E, P) * (M - 1)) // M runs one tile per step: dequantize that
-  expert (QTensor.dense, bit-exact), gather the tile's token rows, silu(x g^T) * (x u^T), then h d^T. Work:
-  NT*M <= P + min(E, P) * (M - 1) rows (vs T*E for `_moe_dense`) and NT expert dequantizations. Peak temporary
-  memory, float32: one expert dense per step, 3*F*D*4 bytes (plus the dequantizer's same-sized temporaries),
-  the stacked tile outputs NT*M*D*4, their gather back to pair order P*D*4, and O(NT*M) int32 indices;
-  independent of E (Qwen3-30B-A3B shapes, T=2048, k=8, M=128: 19 MB + 268 MB + 134 MB).
+  `lax.scan` of static length NT = (P + min(E, P) * (M - 1)) // M runs one tile per step: gather the tile's
+  token rows, silu(x g^T) * (x u^T), h d^T, and write the rows back at their pair index t*K + k (a scatter with
+  unique indices; padding rows are dropped). Then y [T, K, D] times the router weights, summed over k.
+  Work: NT*M <= P + min(E, P) * (M - 1) rows, vs T*E for `_moe_dense`.
+  Dequantization (QTensor.dense, bit-exact): when all experts as float32 fit `dequant_budget` bytes
+  (E*3*F*D*4 <= budget; default GROUPED_DEQUANT_BUDGET), each expert is dequantized once up front and the
+  steps index that copy; otherwise each step dequantizes its tile's expert (NT < 2.5 E with the default M).
+  Peak temporary memory, float32 bytes: the pair outputs P*D*4 (the scan carry), plus either the up-front
+  copy (<= dequant_budget) or one expert per step, 3*F*D*4 (and the dequantizer's same-sized temporaries),
+  plus O(NT*M) int32 indices and one tile's activations, M*(D+2F)*4. Qwen3-30B-A3B shapes (E=128, k=8,
+  D=2048, F=768: all experts 2.4 GB, over the default budget), T=1024: 67 MB + 19 MB.
 
   impl="ragged_dot": `jax.lax.ragged_dot_general` over all experts dequantized at once (E*3*F*D*4 bytes: 2.4 GB
-  at Qwen3-30B-A3B shapes). XLA lowers ragged dot on CPU, and on NVIDIA GPUs for float32, to a dense dot over an
-  expert-masked [E, P, D] copy of the rows (E times the needed FLOPs, an E*P*D temporary), so this is only for
-  comparison and for backends with a real grouped GEMM.
+  at Qwen3-30B-A3B shapes). In jax 0.11.2 the CPU lowering, and XLA's RaggedDotRewriter on NVIDIA GPUs for
+  float32 operands, turn a ragged dot into a dense dot over an expert-masked [E, P, D] copy of the rows: E times
+  the needed FLOPs and an E*P*D*4-byte temporary. Kept for comparison and for a backend with a real grouped GEMM.
 
-  Deterministic: every scatter writes unique indices, and the sum over k is the fixed einsum of `_moe_gather`.
+  Deterministic: every scatter writes unique indices (nothing is scatter-added) and the sum over k has a fixed
+  order, as in `_moe_gather`.
   """
+  budget = GROUPED_DEQUANT_BUDGET if dequant_budget is None else int(dequant_budget)
   if impl == "tiles":
-    return _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile)
+    return _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, budget)
   if impl == "ragged_dot":
     return _moe_grouped_ragged(x_TD, ids_TK, w_TK, gate, up, down, n_experts)
   raise ValueError(f"grouped MoE impl {impl!r}, expected one of {GROUPED_IMPLS}")

@@ -98,14 +98,14 @@ def _inputs(T, E, K, D, routing, seed):
   return x, ids, w
 
 
-_grouped = jax.jit(moe_ops._moe_grouped, static_argnames=("n_experts", "impl", "rows_per_tile"))
+_grouped = jax.jit(moe_ops._moe_grouped, static_argnames=("n_experts", "impl", "rows_per_tile", "dequant_budget"))
 _dense = jax.jit(moe_ops._moe_dense, static_argnames=("n_experts",))
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("weights", list(WEIGHTS))
 @pytest.mark.parametrize("T,E,K", SIZES, ids=lambda v: str(v))
-def test_grouped_matches_float64_oracle_and_dense(T, E, K, weights, routing):
+def test_grouped_matches_float64_oracle_and_dense(T, E, K, weights, routing, monkeypatch):
   (g, u, d), (g64, u64, d64), D = _experts(weights, E)
   x, ids, w = _inputs(T, E, K, D, routing, seed=zlib.crc32(repr((T, E, K, weights, routing)).encode()))
   counts = np.bincount(ids.reshape(-1), minlength=E)
@@ -123,19 +123,26 @@ def test_grouped_matches_float64_oracle_and_dense(T, E, K, weights, routing):
   assert _relerr(y, want) < TOL
   dense = _dense(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, n_experts=E)
   assert _relerr(y, dense) < TOL
+  if T == 40 and isinstance(g, QTensor):            # one expert dequantized per tile, not all up front
+    y0 = _grouped(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, n_experts=E, dequant_budget=0)
+    assert _relerr(y0, want) < TOL
   # moe_ref dispatch: the grouped path exactly when T*k > E, the gather path otherwise; both match the oracle
+  calls = []
+  for name in ("_moe_grouped", "_moe_gather"):
+    fn = getattr(moe_ops, name)
+    monkeypatch.setattr(moe_ops, name, lambda *a, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*a, **kw))
   r = moe_ops.moe_ref(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d)
-  if T * K > E:
-    np.testing.assert_array_equal(np.asarray(r), np.asarray(y))
+  assert calls == ["_moe_grouped" if T * K > E else "_moe_gather"]
   assert _relerr(r, want) < TOL
 
 
 @pytest.mark.parametrize("weights", ["Q4_K", "float_oddF"])
-@pytest.mark.parametrize("variant", [dict(rows_per_tile=1), dict(rows_per_tile=3), dict(rows_per_tile=64),
-                                     dict(impl="ragged_dot")], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("variant", [dict(rows_per_tile=1), dict(rows_per_tile=3, dequant_budget=0),
+                                     dict(rows_per_tile=64), dict(dequant_budget=0), dict(impl="ragged_dot")],
+                         ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
 def test_tile_sizes_and_ragged_dot(weights, variant):
-  """Tile boundaries (1 row per tile, odd tiles that split experts, one tile larger than any expert) and the
-  ragged_dot variant give the same results."""
+  """Tile boundaries (1 row per tile, odd tiles that split experts, one tile larger than any expert), experts
+  dequantized per tile instead of up front, and the ragged_dot variant: all match the oracle."""
   T, E, K = 23, 10, 3
   (g, u, d), (g64, u64, d64), D = _experts(weights, E)
   for routing in ("random", "one_expert_all_tokens", "all_pairs_one_expert"):
