@@ -39,6 +39,9 @@ class GenConfig:
   stop_at_eos: bool = True
   expert_slots: int | None = None     # expert cache device slots (None: every expert resident)
   expert_policy: str = "lru"
+  expert_store: str | None = None     # where the expert store lives with expert_slots: None picks
+                                      # expert_cache.store_memory_kind() ("pinned_host" on a GPU that has it, else
+                                      # "device"); "pinned_host" forces it (jax's CPU client has the kind: tests)
 
 
 @dataclasses.dataclass
@@ -73,6 +76,41 @@ def decode_loop(params, ls: LoopState, n_max, eos_id, *, cfg: ModelConfig, tempe
     return LoopState(model, s.out.at[s.n].set(nxt), s.n + 1, nxt, key, s.done | (nxt == eos_id))
 
   return jax.lax.while_loop(cond, body, ls)
+
+
+def request_params(model, gen: GenConfig) -> dict:
+  """The params a request runs with: model.params, or, with gen.expert_slots and a store kind other than "device"
+  (gen.expert_store, else expert_cache.store_memory_kind()), the params with the routed experts (the store) placed
+  in that memory kind by expert_cache.place_store. Placed once per model and kind: the placed params are kept on
+  the model object (attribute `_placed_stores`, valid while model.params is the same object), so later requests
+  reuse them. model.params itself is untouched, so its device copy of the experts stays alive beside the host one."""
+  if not gen.expert_slots:
+    return model.params
+  from decode import expert_cache as xc
+  kind = gen.expert_store or xc.store_memory_kind()
+  if kind == "device":
+    return model.params
+  placed = getattr(model, "_placed_stores", None)
+  if placed is None or placed[0] is not model.params:
+    placed = (model.params, {})
+    object.__setattr__(model, "_placed_stores", placed)   # works on a frozen dataclass too
+  if kind not in placed[1]:
+    placed[1][kind] = xc.place_store(model.params, model.cfg, kind)
+  return placed[1][kind]
+
+
+def _store_on_host(params, cfg: ModelConfig) -> bool:
+  """Whether the routed experts of `params` live outside device memory (a placed store)."""
+  from decode import expert_cache as xc
+  return any(k != "device" for ks in xc.store_kinds(params, cfg).values() for k in ks)
+
+
+def _commit(tree):
+  """Every uncommitted array of `tree` committed to the first device (committed ones, e.g. a host tier in pinned
+  host memory, stay where they are). With a placed store (committed arrays) among a jitted call's inputs its
+  outputs come back committed: committing its other inputs up front keeps the second call from compiling again."""
+  dev = jax.devices()[0]
+  return jax.tree.map(lambda x: jax.device_put(x, dev) if isinstance(x, jax.Array) and not x.committed else x, tree)
 
 
 def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, scratch: int = 0,
@@ -112,8 +150,9 @@ class Started:
 
 
 def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_window: int | None = None,
-                  ring_start: int | None = None) -> Started:
-  """Check the request, size the ring (and host tier), allocate the state and prefill the prompt.
+                  ring_start: int | None = None, params: dict | None = None) -> Started:
+  """Check the request, size the ring (and host tier), allocate the state and prefill the prompt with `params`
+  (default model.params; `generate` passes request_params(model, gen)).
 
   k > 0 reserves k + 1 scratch slots for speculative overshoot. Without --kv_resident the ring is the smallest
   power-of-two bucket from 1024 holding the request (or `ring_start` tokens, then grown); with a fixed R and
@@ -131,10 +170,13 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   if fixed and cap <= 2 * slack:
     raise RequestError(f"kv_resident {cap} is too small for {k} drafts")
   host = max_ctx + slack if fixed and max_ctx + slack > cap else None
+  params = model.params if params is None else params
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=host)
+  if _store_on_host(params, model.cfg):
+    state = _commit(state)           # the prefill chunks share one compile (see _commit)
   window = state.ring.window
   chunk = min(PREFILL_CHUNK, window) if host else PREFILL_CHUNK
-  logits, hidden, state = prefill_chunked(model.params, prompt, state, model.cfg, chunk)
+  logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk)
   return Started(state, logits, hidden, cap, grow=not fixed)
 
 
@@ -167,12 +209,14 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   """Greedy or sampled generation from `prompt_ids` (a LoadedModel from model.loader).
 
   ring_start: with kv_resident auto, size the first bucket for this many tokens instead of the whole request
-  (the ring then grows into the next bucket when the request runs past it; one compile per bucket)."""
+  (the ring then grows into the next bucket when the request runs past it; one compile per bucket).
+  With gen.expert_slots the store is placed by request_params (pinned host memory on a GPU that has it)."""
   gen = dataclasses.replace(gen or GenConfig(), **kw)
-  cfg, params, tok = model.cfg, model.params, model.tokenizer
+  cfg, tok = model.cfg, model.tokenizer
+  params = request_params(model, gen)
   prompt = list(int(i) for i in prompt_ids)
   t0 = time.perf_counter()
-  st = start_request(model, prompt, gen, ring_start=None if eager else ring_start)
+  st = start_request(model, prompt, gen, ring_start=None if eager else ring_start, params=params)
   state, logits, cap, grow = st.state, st.logits, st.cap, st.grow
   key = jax.random.PRNGKey(gen.seed)
   key, sub = jax.random.split(key)
@@ -193,6 +237,8 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   else:
     ls = LoopState(state, jnp.zeros(_buffer_size(n), jnp.int32).at[0].set(first), jnp.ones((), jnp.int32), first,
                    key, first == eos)
+    if _store_on_host(params, cfg):
+      ls = _commit(ls)               # else the compile call's committed outputs make the timed call compile again
     kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p)
     ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # compile (zero iterations)
     jax.block_until_ready(ls)

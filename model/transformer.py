@@ -117,7 +117,8 @@ class MoE(nn.Module):
   """Routed experts (softmax top-k, or sigmoid with a selection bias) plus an optional shared expert.
 
   With an expert cache (decode/expert_cache.py) the routed experts are read from its device slots, loading
-  misses from the store (the params' expert tensors); prefill-sized steps (T * k > E) read the store directly.
+  misses from the store (the params' expert tensors); prefill-sized steps (T * k > E) read the store directly
+  (moved to the device first when it lives in pinned host memory).
   """
   cfg: ModelConfig
   index: int = 0           # block index (the expert cache's row)
@@ -146,6 +147,14 @@ class MoE(nn.Module):
       w = w * c.routed_scale
     T, K = ids.shape
     if ecache is None or T * K > E:
+      # The direct path reads every expert of the block (no cache, or a step routing more (token, expert) pairs
+      # than there are experts: prefill chunks, long MTP passes). A store in pinned host memory
+      # (expert_cache.place_store) is moved to the device first: each such step copies the block's whole
+      # routed-expert tensors host -> device (for a prefill, once per MoE block per chunk; a transient device
+      # buffer of one block's experts, which XLA may overlap with its neighbours'), the cost a host store implies.
+      # A no-op when the experts are on the device.
+      from decode import expert_cache as xc
+      gate, up, down = (xc.to_device(t) for t in (gate, up, down))
       y = moe_ops.moe(x_TD, ids, w, gate, up, down)
     else:
       y, ecache = _cached_moe(x_TD, ids, w, gate, up, down, ecache, self.index, E)

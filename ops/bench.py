@@ -118,7 +118,7 @@ def _routed_bytes(ids, per_expert_bytes):
   return int(sum(len(np.unique(ids[l])) for l in range(ids.shape[0])) * per_expert_bytes)
 
 
-def _step_fn(impl, overrides):
+def _step_fn(impl, overrides, layer_loop="unroll"):
   """(x, ids [n, T, K], w [n, T, K], (gate, up, down) stacked) -> x after layers 0 .. n-1, each reading layer l of
   the stacks in place: unrolled (as the model) or a lax.scan (--layer_loop)."""
   import jax
@@ -144,7 +144,7 @@ def _step_fn(impl, overrides):
 
   def step(x, ids, w, layers):
     g, u, d = layers
-    if FLAGS.layer_loop == "scan":
+    if layer_loop == "scan":
       def body(x, xs):
         l, i, ww = xs
         return layer(x, l, i, ww, g, u, d), None
@@ -322,7 +322,7 @@ def main(argv):
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
       try:
-        t = _timeit(_step_fn("pallas", ov), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
+        t = _timeit(_step_fn("pallas", ov, FLAGS.layer_loop), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
         rec.update(ms=t * 1e3, layers=SWEEP_LAYERS, GBps=_routed_bytes(ids[:SWEEP_LAYERS], per_expert) / t / 1e9)
         rec["pct_copy"] = 100 * rec["GBps"] / copy
         if "proj" in ov:
@@ -350,12 +350,12 @@ def main(argv):
           rec = {"type": qn, "impl": impl, "B": B, "cell": part}
           try:
             if part == "b":
-              t = _timeit(_step_fn(impl, None), x, ids, w, layers, iters=FLAGS.iters)
+              t = _timeit(_step_fn(impl, None, FLAGS.layer_loop), x, ids, w, layers, iters=FLAGS.iters)
               nbytes = _routed_bytes(ids, pe)
               rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
             else:
               n1 = min(8, L)
-              t = _timeit(_step_fn(impl, None), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
+              t = _timeit(_step_fn(impl, None, FLAGS.layer_loop), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
               nbytes = _routed_bytes(ids[:1], pe)
               tp = _timeit(_proj_fn(impl, None), x, wp, iters=FLAGS.iters) / 16
               pb = 2 * NPROJ * D if impl == "bf16" else proj_bytes

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU measurements still open after 2026-11-30, in priority order, split into parts that each fit one device
+# call (<= 9.5 min; the machine compiles a 48-layer model per arm in ~60-120 s). Run `PART=1 bash
+# scripts/gpu/next_session.sh`, then PART=2, PART=3. Results land in $OUT as JSONL + logs; docs/PERF.md says
+# which table each feeds. Every step has its own timeout so one slow step cannot eat the others' output.
+set -o pipefail
+source scripts/gpu/env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call that compile the same function
+filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
+case "${PART:-1}" in
+1)  # issue 3 (b) for the other types; issue 4 flatness on the new kernels; issue 7 Q4_K end to end; issue 6 store
+  timeout 150 python3 -m ops.bench --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
+    --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
+  timeout 150 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
+    --cells 4096:1024:auto:pallas,49152:1024:auto:pallas,131072:1024:auto:pallas,131072:1024:ref:pallas 2>&1 | filt | tail -8
+  timeout 130 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --experts Q4_K --steps 32 --repeats 3 \
+    --out $OUT/step.jsonl --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -5
+  timeout 90 python3 scripts/gpu/expert_store_check.py --kernels pallas 2>&1 | filt | tail -12
+  timeout 60 python3 -m ops.bench --out $OUT/kern --check --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1 \
+    --impls pallas --parts b --layers 2 --iters 1 2>&1 | grep --line-buffered "^check" ;;
+2)  # issue 5: round vs step for k = 1..4 with replay, and lookup (plain arm for the ratio)
+  timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas \
+    --drafts none,replay@1,replay@2,replay@4,lookup@3 --seeds 1 --max_new_tokens 64 --depths 1024 --rings 4096 \
+    --cells $OUT/rounds.jsonl 2>&1 | filt | tail -30 ;;
+3)  # issue 7 item 3: the seed's four arms on the GPU with the Pallas kernels (+ plain arms), 3 seeds
+  timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
+    --max_new_tokens 256 --seeds ${SEEDS:-2} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
+esac
