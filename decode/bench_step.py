@@ -30,6 +30,8 @@ flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
+flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
+                    "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
 
 def fill_ring(ring, depth: int, seed: int = 0):
@@ -124,6 +126,11 @@ def main(argv):
         continue
       finally:
         attention.DEFAULT_GPU_IMPL = default_gpu
+      if FLAGS.profile:
+        tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}")
+        with jax.profiler.trace(tdir, create_perfetto_trace=True):
+          time_steps(p, cfg, fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv,
+                                                     block=min(256, R)), depth), FLAGS.steps, 0)
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "attn": at, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "commit": commit, "device": device,

@@ -16,6 +16,12 @@ case "${PART:-1}" in
     --cells 4096:1024:auto:pallas,49152:1024:auto:pallas,131072:1024:auto:pallas,131072:1024:ref:pallas 2>&1 | filt | tail -8
   timeout 130 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --experts Q4_K --steps 32 --repeats 3 \
     --out $OUT/step.jsonl --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -5
+  timeout 120 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 16 --repeats 1 --out $OUT/prof.jsonl \
+    --cells 4096:1024:auto:pallas --profile /tmp/prof 2>&1 | filt | tail -3          # where a 4.8 ms step goes
+  for t in /tmp/prof/*/plugins/profile/*/perfetto_trace.json.gz; do python3 scripts/gpu/trace_summary.py $t --steps 16 | tee $OUT/prof_summary.md; done
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL timeout 100 python3 -m \
+    decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl --cells 4096:1024:auto:pallas \
+    2>&1 | filt | tail -2                                                      # launch overhead: whole-loop graphs
   timeout 90 python3 scripts/gpu/expert_store_check.py --kernels pallas 2>&1 | filt | tail -12
   timeout 60 python3 -m ops.bench --out $OUT/kern --check --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1 \
     --impls pallas --parts b --layers 2 --iters 1 2>&1 | grep --line-buffered "^check" ;;

@@ -1,0 +1,36 @@
+"""Per-kernel GPU time from a jax.profiler perfetto trace (`decode.bench_step --profile DIR`), plain Python.
+
+  python scripts/gpu/trace_summary.py DIR/.../perfetto_trace.json.gz --steps 32 [--top 25]
+
+Sums the durations of complete events ("X") on the device processes (process names with "GPU" or "/device:"),
+groups them by kernel name, and prints ms per step, share and launches per step; the last line compares the sum
+of kernel time with the trace's device span, so the gap (launch latency, host syncs) is visible too.
+"""
+import argparse
+import collections
+import gzip
+import json
+
+ap = argparse.ArgumentParser()
+ap.add_argument("trace")
+ap.add_argument("--steps", type=int, default=1, help="decode steps in the traced run (per-step figures)")
+ap.add_argument("--top", type=int, default=25)
+a = ap.parse_args()
+d = json.load(gzip.open(a.trace) if a.trace.endswith(".gz") else open(a.trace))
+ev = d["traceEvents"] if isinstance(d, dict) else d
+dev = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
+       and any(s in str(e.get("args", {}).get("name", "")) for s in ("GPU", "/device:"))}
+ks = [e for e in ev if e.get("ph") == "X" and e.get("pid") in dev and "dur" in e]
+if not ks:
+  raise SystemExit(f"{a.trace}: no device events (device processes: {sorted(dev)})")
+tot, cnt = collections.Counter(), collections.Counter()
+for e in ks:
+  tot[e["name"]] += e["dur"]
+  cnt[e["name"]] += 1
+busy = sum(tot.values())
+span = max(e["ts"] + e["dur"] for e in ks) - min(e["ts"] for e in ks)
+print(f"| kernel | ms/step | share | launches/step |\n| --- | ---: | ---: | ---: |")
+for name, us in tot.most_common(a.top):
+  print(f"| {name[:70]} | {us / 1e3 / a.steps:.3f} | {100 * us / busy:.1f} % | {cnt[name] / a.steps:.0f} |")
+print(f"\nkernel time {busy / 1e3 / a.steps:.3f} ms/step over a device span of {span / 1e3 / a.steps:.3f} ms/step "
+      f"({len(ks) / a.steps:.0f} launches/step)")
