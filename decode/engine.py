@@ -114,16 +114,17 @@ def _commit(tree):
 
 
 def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, scratch: int = 0,
-               host: int | None = None) -> api.ModelState:
+               host: int | None = None, params: dict | None = None) -> api.ModelState:
   """The request's state: rings, a host tier of `host` positions when given, and, with gen.expert_slots, an
-  empty expert cache."""
+  empty expert cache over the store of `params` (default model.params)."""
   state = api.init_state(model.cfg, cap, gen.kv, mtp_window=mtp_window, scratch=scratch)
   if host:
     from decode.host_tier import HostTier, place_on_host
     state = state.replace(host=place_on_host(HostTier.like(state.ring, host)))
   if gen.expert_slots:
     from decode import expert_cache
-    state = state.replace(experts=expert_cache.create(model.params, model.cfg, gen.expert_slots, gen.expert_policy))
+    params = model.params if params is None else params
+    state = state.replace(experts=expert_cache.create(params, model.cfg, gen.expert_slots, gen.expert_policy))
   return state
 
 
@@ -171,7 +172,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
     raise RequestError(f"kv_resident {cap} is too small for {k} drafts")
   host = max_ctx + slack if fixed and max_ctx + slack > cap else None
   params = model.params if params is None else params
-  state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=host)
+  state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=host, params=params)
   if _store_on_host(params, model.cfg):
     state = _commit(state)           # the prefill chunks share one compile (see _commit)
   window = state.ring.window

@@ -1,6 +1,7 @@
 """Expert cache (issue 6): outputs bitwise equal to every-expert-resident for any N >= top_k, the miss counts of
 its LRU policy equal an independent simulation over the routing of the float64 reference, and the store's
-placement (a no-op on CPU; pinned host memory, which jax's CPU client also has, read through `ensure`)."""
+placement (a no-op on CPU; pinned host memory, which jax's CPU client also has, read through `ensure`), also as
+the engine places it (GenConfig.expert_store forces the kind on CPU)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 from decode import expert_cache as xc
-from decode.engine import generate
+from decode import engine
+from decode.engine import GenConfig, generate
 from decode.speculative import speculative_generate
 from model import api
 from model.loader import load_model
@@ -147,3 +149,36 @@ def test_store_in_pinned_host_memory_bitwise_equal():
   on_host = generate(dataclasses.replace(m, params=host), prompt, max_new_tokens=8, stop_at_eos=False,
                      expert_slots=m.cfg.top_k)
   assert on_host.ids == base.ids and on_host.stats["expert_cache"]["store_memory_kind"] == "pinned_host"
+
+
+@pytest.mark.skipif("pinned_host" not in {mem.kind for mem in jax.devices()[0].addressable_memories()},
+                    reason="no pinned_host memory kind on this backend")
+@pytest.mark.parametrize("arch,kind", [("qwen3moe", "IQ3_S"), ("glm4moe", "F16")])
+def test_engine_places_store_in_pinned_host(arch, kind, monkeypatch):
+  """`generate` with N slots and expert_store="pinned_host" (on CPU the override stands in for what
+  store_memory_kind() picks on a GPU): the engine places the store once per model (request_params); a prompt longer
+  than n_experts / top_k tokens, in chunks of T * top_k > E, is prefilled through the direct path (the host store
+  moved to the device inside the step), decode misses go through `ensure`. Tokens equal every expert resident,
+  jitted and eager, and neither the prefill chunks nor the compile-then-timed decode loop compile twice."""
+  m = _m(arch, kind)
+  E, K = m.cfg.n_experts, m.cfg.top_k
+  chunk = E // K + 2                                            # T * K > E in every prefill chunk
+  monkeypatch.setattr(engine, "PREFILL_CHUNK", chunk)
+  prompt = [int(t) for t in np.random.default_rng(6).integers(0, 1000, 3 * chunk)]
+  base = generate(m, prompt, max_new_tokens=12, stop_at_eos=False)
+  kw = dict(max_new_tokens=12, stop_at_eos=False, expert_slots=K, expert_store="pinned_host")
+  n_prefill, n_loop = api.prefill._cache_size(), engine.decode_loop._cache_size()
+  got = generate(m, prompt, **kw)
+  # committed inputs (the placed store) vs uncommitted ones would key a second compile (engine._commit)
+  assert api.prefill._cache_size() - n_prefill <= 1 and engine.decode_loop._cache_size() - n_loop <= 1
+  assert got.ids == base.ids
+  st = got.stats["expert_cache"]
+  assert st["store_memory_kind"] == "pinned_host" and sum(st["misses"]) > 0
+  gen = GenConfig(expert_slots=K, expert_store="pinned_host")
+  placed = engine.request_params(m, gen)
+  assert placed is engine.request_params(m, gen) and placed is not m.params      # placed once, kept on the model
+  assert {k for ks in xc.store_kinds(placed, m.cfg).values() for k in ks} == {"pinned_host"}
+  assert {k for ks in xc.store_kinds(m.params, m.cfg).values() for k in ks} == {"device"}   # m.params untouched
+  assert generate(m, prompt, eager=True, **kw).ids == base.ids
+  if jax.devices()[0].platform == "cpu":                       # default kind on CPU: no placement
+    assert engine.request_params(m, GenConfig(expert_slots=K)) is m.params
