@@ -182,3 +182,10 @@ def test_engine_places_store_in_pinned_host(arch, kind, monkeypatch):
   assert generate(m, prompt, eager=True, **kw).ids == base.ids
   if jax.devices()[0].platform == "cpu":                       # default kind on CPU: no placement
     assert engine.request_params(m, GenConfig(expert_slots=K)) is m.params
+  # the speculative path runs on the same placed store and emits the plain greedy tokens
+  from decode import speculative
+  n_spec = speculative.spec_loop._cache_size()
+  r = speculative.speculative_generate(m, prompt, drafter="replay", k=3, replay_ids=base.ids, **kw)
+  assert r.ids == base.ids and r.stats["acceptance"] == 1.0
+  assert r.stats["expert_cache"]["store_memory_kind"] == "pinned_host"
+  assert speculative.spec_loop._cache_size() - n_spec <= 1
