@@ -1,13 +1,19 @@
 """`python -m decode.bench`: benchmark cells (arms x seeds), JSONL records, a markdown table and verdicts.
 
 Each cell is one request (greedy): a prompt of `prompt_tokens` (the depth), `max_new_tokens` generated, with
-the arm's ring capacity, drafter, KV dtype and kernels. Every cell first runs once untimed (compiles), then
-once per seed; each timed run writes one JSONL record (config, commit, device, prefill tok/s, TTFT, decode tok/s,
-drafts proposed/accepted per position, memory plan). The table shows the median decode tok/s over seeds and
-the drafts of every seed; pre-declared bars are evaluated and printed; a PNG plots tok/s against depth.
+the arm's ring capacity, drafter, KV dtype, expert cache (all | auto | N slots, sized by the memory plan under
+--device_budget) and kernels; --max_context applies to every request (a fixed ring below it puts older positions
+in the host tier). Every cell first runs once untimed (compiles), then once per seed; each timed run writes one
+JSONL record (config, commit, device, prefill tok/s, TTFT, decode tok/s, drafts proposed/accepted per position,
+expert-cache stats, the memory plan, and for drafted arms the bytes-per-round model of decode/round_model.py).
+The table shows the median decode tok/s over seeds, the drafts of every seed, the expert-cache hit rate, and
+for drafted arms the speed-up over the matching plain arm beside what the byte ratio predicts; pre-declared bars
+are evaluated and printed; a PNG plots tok/s against depth.
 
   python -m decode.bench --arms seed4 --preset seed-mtp --cells /tmp/seed4.jsonl        # the seed's experiment
   python -m decode.bench --gguf m.gguf --rings 4096,32768 --drafts none,lookup --depths 1024,8192
+  python -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas --expert_cache all,4096,8192 \
+      --device_budget 24GiB --drafts none,replay@3                        # issue 6: tok/s and hit rate vs slots
 """
 from __future__ import annotations
 
@@ -37,7 +43,10 @@ flags.DEFINE_integer("max_new_tokens", 256, "generated tokens per cell")
 flags.DEFINE_integer("mtp_draft", 3, "drafts per round")
 flags.DEFINE_integer("mtp_window", 4096, "drafter window")
 flags.DEFINE_integer("seeds", 3, "timed runs per cell")
-flags.DEFINE_integer("max_context", None, "max_context of every request (informative here: no host tier yet)")
+flags.DEFINE_integer("max_context", None, "max_context of every request (above a fixed ring: the host tier)")
+flags.DEFINE_list("expert_cache", ["all"], "expert caches: all | auto | N slots (arms; seed4 takes the first)")
+flags.DEFINE_string("device_budget", None, "device memory budget of the plan (e.g. 24GiB; default: the device's)")
+flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert-cache eviction policy")
 flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
 flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
                   "synthetic: a fixed arithmetic token pattern; text: the standard library's documentation topics "
@@ -54,6 +63,7 @@ class Arm:
   kv: str = "int8"
   depth: int = 1024
   k: int | None = None      # drafts per round (None: --mtp_draft)
+  cache: str = "all"        # expert cache: all | auto | N slots
 
 
 # The seed report (#3166): ring 32,768 vs 49,152, MTP on vs off, 1,024-token prompt, 256 tokens, int8 KV.
@@ -71,13 +81,15 @@ SEED4_BARS = [("AS", "BS", 0.03, "decode tok/s"), ("AR", "BR", 0.03, "decode tok
 def _arms() -> tuple[list[Arm], list]:
   if FLAGS.arms in ("seed4", "seed4k"):
     arms = SEED4 if FLAGS.arms == "seed4" else SEED4K
-    return [dataclasses.replace(a, depth=int(FLAGS.depths[0])) for a in arms], SEED4_BARS + [("AP", "BP", 0.03, "decode tok/s")]
+    return ([dataclasses.replace(a, depth=int(FLAGS.depths[0]), cache=FLAGS.expert_cache[0]) for a in arms],
+            SEED4_BARS + [("AP", "BP", 0.03, "decode tok/s")])
   if FLAGS.arms not in (None, "", "grid"):
     raise app.UsageError(f"--arms {FLAGS.arms!r}: known sets are seed4, seed4k (or give --rings/--drafts/--kv/--depths)")
   arms = []
-  for r, d, kv, dep in itertools.product(FLAGS.rings, FLAGS.drafts, FLAGS.kv, FLAGS.depths):
+  for r, d, kv, dep, c in itertools.product(FLAGS.rings, FLAGS.drafts, FLAGS.kv, FLAGS.depths, FLAGS.expert_cache):
     name, _, k = d.partition("@")
-    arms.append(Arm(f"R{r}-{d}-{kv}-D{dep}", r, name, kv, int(dep), int(k) if k else None))
+    arms.append(Arm(f"R{r}-{d}-{kv}-D{dep}" + ("" if c == "all" else f"-X{c}"), r, name, kv, int(dep),
+                    int(k) if k else None, c))
   return arms, []
 
 
@@ -121,21 +133,64 @@ def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
     base = [7, 11, 13, 17, 19, 23, 29, 31]
     prompt = [(base[i % len(base)] * (i + 1 + seed)) % model.cfg.vocab_size for i in range(arm.depth)]
   gen = GenConfig(max_new_tokens=max_new, kv=arm.kv, kv_resident=None if arm.ring == "auto" else int(arm.ring),
-                  max_context=None, stop_at_eos=False, seed=seed)
+                  max_context=FLAGS.max_context, stop_at_eos=False, seed=seed)
+  k = (arm.k or FLAGS.mtp_draft) if arm.draft != "none" else 0
+  plan, slots = _plan(model, arm, gen, k)
+  gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
   if arm.draft == "none":
     res = generate(model, prompt, gen)
   else:
     replay = generate(model, prompt, gen).ids if arm.draft == "replay" else None
-    res = speculative_generate(model, prompt, gen, drafter=arm.draft, k=arm.k or FLAGS.mtp_draft,
-                               mtp_window=FLAGS.mtp_window, replay_ids=replay)
+    res = speculative_generate(model, prompt, gen, drafter=arm.draft, k=k, mtp_window=FLAGS.mtp_window,
+                               replay_ids=replay)
   st = dict(res.stats)
   st["prefill_tok_s"] = arm.depth / st["ttft_s"] if st["ttft_s"] else 0.0
+  st["plan"], st["expert_slots"] = plan.to_json(), slots
+  if arm.draft != "none":
+    from decode.round_model import bytes_model
+    st["bytes_model"] = bytes_model(model.params, model.cfg, k, arm.draft)
   return st
 
 
+def _plan(model, arm: Arm, gen, k: int):
+  """The request's memory plan and expert slots (None: all resident), as `generate --plan` makes them."""
+  from decode.engine import ring_capacity
+  from decode.kv_plan import device_budget, plan_request
+  ring = ring_capacity(arm.depth + gen.max_new_tokens + (k + 1 if k else 0), gen.kv_resident)
+  return plan_request(model, ring=ring, kv=arm.kv, max_context=gen.max_context, k=k,
+                      mtp_window=FLAGS.mtp_window if arm.draft == "mtp" else None, expert_cache=arm.cache,
+                      budget=device_budget(FLAGS.device_budget))
+
+
+def _hit_rate(st: dict) -> float | None:
+  xc = st.get("expert_cache")
+  if not xc:
+    return None
+  h, m = sum(xc["hits"]), sum(xc["misses"])
+  return h / (h + m) if h + m else None
+
+
+def _speedups(records: list[dict], arms: list[Arm], a: Arm) -> str:
+  """Measured decode speed-up of drafted arm `a` over the plain arm of the same ring/kv/depth/cache, and the
+  byte model's prediction at the measured tokens per round (1 + mean accepted drafts)."""
+  plain = [b for b in arms if b.draft == "none" and (b.ring, b.kv, b.depth, b.cache) == (a.ring, a.kv, a.depth, a.cache)]
+  rs = [r for r in records if r["arm"] == a.name]
+  ps = [r for r in records if plain and r["arm"] == plain[0].name]
+  if a.draft == "none" or not rs:
+    return "-"
+  bm = rs[0]["stats"]["bytes_model"]
+  tokens = 1 + statistics.median(r["stats"]["mean_accepted_len"] for r in rs)
+  model_x = tokens * bm["step_bytes"] / bm["round_bytes"]
+  if not ps:
+    return f"? (model {model_x:.2f}x)"
+  x = statistics.median(r["stats"]["decode_tok_s"] for r in rs) / statistics.median(r["stats"]["decode_tok_s"] for r in ps)
+  return f"{x:.2f}x (model {model_x:.2f}x)"
+
+
 def _table(records: list[dict], arms: list[Arm]) -> str:
-  rows = ["| arm | ring | draft | kv | depth | decode tok/s (median) | prefill tok/s | drafts accepted/proposed per seed |",
-          "| --- | ---: | --- | --- | ---: | ---: | ---: | --- |"]
+  rows = ["| arm | ring | draft | kv | depth | experts | decode tok/s (median) | prefill tok/s | "
+          "drafts accepted/proposed per seed | vs plain (bytes model) | expert hit rate |",
+          "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | --- | --- | ---: |"]
   for a in arms:
     rs = [r for r in records if r["arm"] == a.name]
     if not rs:
@@ -144,7 +199,11 @@ def _table(records: list[dict], arms: list[Arm]) -> str:
     pre = statistics.median(r["stats"]["prefill_tok_s"] for r in rs)
     drafts = " ".join(f"{sum(r['stats'].get('drafts_accepted', [0]))}/{sum(r['stats'].get('drafts_proposed', [0]))}"
                       for r in rs) if a.draft != "none" else "-"
-    rows.append(f"| {a.name} | {a.ring} | {a.draft} | {a.kv} | {a.depth} | {med:.1f} | {pre:.0f} | {drafts} |")
+    hits = [h for h in (_hit_rate(r["stats"]) for r in rs) if h is not None]
+    slots = rs[0]["stats"].get("expert_slots")
+    cache = "all" if slots is None else f"{a.cache}: {slots} slots"
+    rows.append(f"| {a.name} | {a.ring} | {a.draft} | {a.kv} | {a.depth} | {cache} | {med:.1f} | {pre:.0f} | {drafts} | "
+                f"{_speedups(records, arms, a)} | {f'{statistics.median(hits):.1%}' if hits else '-'} |")
   return "\n".join(rows)
 
 
@@ -175,13 +234,14 @@ def _plot(records, arms, path):
   fig, ax = plt.subplots(figsize=(6, 4))
   groups = {}
   for a in arms:
-    key = (a.ring, a.draft, a.kv)
+    key = (a.ring, a.draft, a.kv, a.cache)
     rs = [r for r in records if r["arm"] == a.name]
     if rs:
       groups.setdefault(key, []).append((a.depth, statistics.median(r["stats"]["decode_tok_s"] for r in rs)))
-  for (ring, draft, kv), pts in groups.items():
+  for (ring, draft, kv, cache), pts in groups.items():
     pts.sort()
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"R={ring} {draft} {kv}")
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+            label=f"R={ring} {draft} {kv}" + ("" if cache == "all" else f" experts {cache}"))
   ax.set_xscale("log", base=2)
   ax.set_xlabel("depth (prompt tokens)")
   ax.set_ylabel("decode tok/s (median over seeds)")

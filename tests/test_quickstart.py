@@ -30,7 +30,7 @@ def test_quickstart_opens_as_a_notebook():
 
 
 @pytest.mark.parametrize("module", ["model.api", "decode.engine", "decode.speculative", "decode.kv_plan",
-                                    "model.loader"])
+                                    "model.loader", "decode.round_model"])
 def test_docstring_examples_run(module):
   import importlib
   mod = importlib.import_module(module)

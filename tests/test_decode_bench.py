@@ -1,0 +1,31 @@
+"""`python -m decode.bench` end to end on the default model (CPU): the JSONL records, the expert-cache arms sized
+by slots, replay's acceptance (its drafts are the plain greedy tokens, so anything below 100 % is a defect), the
+bytes-per-round model beside the measured speed-up, and the table."""
+import json
+import subprocess
+import sys
+
+
+def test_bench_cells_table_and_records(tmp_path):
+  cells = tmp_path / "cells.jsonl"
+  r = subprocess.run(
+      [sys.executable, "-m", "decode.bench", "--rings", "2048", "--drafts", "none,replay@2", "--expert_cache", "all,6",
+       "--depths", "48", "--max_new_tokens", "12", "--seeds", "1", "--max_context", "4096", "--cells", str(cells)],
+      capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  recs = [json.loads(line) for line in cells.read_text().splitlines()]
+  assert sorted(x["arm"] for x in recs) == sorted(["R2048-none-int8-D48", "R2048-none-int8-D48-X6",
+                                                   "R2048-replay@2-int8-D48", "R2048-replay@2-int8-D48-X6"])
+  for x in recs:
+    st = x["stats"]
+    assert st["generated_tokens"] == 12 and st["decode_tok_s"] > 0 and st["plan"]["items"]
+    cached = x["arm"].endswith("-X6")
+    assert st["expert_slots"] == (6 if cached else None)
+    if cached:   # 6 slots for 16 experts per block: some misses, counted per block
+      assert sum(st["expert_cache"]["misses"]) > 0 and st["expert_cache"]["slots"] == 6
+    if "replay" in x["arm"]:
+      assert st["acceptance"] == 1.0
+      bm = st["bytes_model"]
+      assert bm["draft_bytes"] == 0 and 1.0 < bm["round_over_step"] < 3.0     # union of 3 tokens' experts
+  out = r.stdout
+  assert "| vs plain (bytes model) |" in out and "x (model " in out and "6 slots" in out
