@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements still open after 2026-11-30, in priority order, split into parts that each fit one device
 # call (<= 9.5 min; the machine compiles a 48-layer model per arm in ~60-120 s). Run `PART=1 bash
-# scripts/gpu/next_session.sh`, then PART=2, PART=3. Results land in $OUT as JSONL + logs; docs/PERF.md says
+# scripts/gpu/next_session.sh`, then PART=2 .. 5. Results land in $OUT as JSONL + logs; docs/PERF.md says
 # which table each feeds. Every step has its own timeout so one slow step cannot eat the others' output.
 set -o pipefail
 source scripts/gpu/env.sh
@@ -32,4 +32,12 @@ case "${PART:-1}" in
 3)  # issue 7 item 3: the seed's four arms on the GPU with the Pallas kernels (+ plain arms), 3 seeds
   timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
     --max_new_tokens 256 --seeds ${SEEDS:-2} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
+4)  # issue 6: the seed's 24 GiB card on seed-mtp (experts do not fit: auto slots), ring +16K, drafts on/off
+  timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
+    --expert_cache auto --rings 32768,49152 --drafts none,replay@3 --depths 1024 --max_new_tokens 64 --seeds 1 \
+    --cells $OUT/xcache.jsonl 2>&1 | filt | tail -12 ;;
+5)  # issue 6: tok/s and hit rate against slots on the 30B shape (all experts fit 24 GiB there: a slot sweep)
+  timeout 560 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
+    --expert_cache all,4096,2048,1024 --rings 4096 --drafts none --depths 1024 --max_new_tokens 64 --seeds 1 \
+    --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
 esac
