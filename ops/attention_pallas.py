@@ -26,8 +26,9 @@ Tiling.
           the dot and the V scale multiplies p's column before it. Every output row depends only on its own
           query row (an MMA's row is a dot of that row), so 1 query and k+1 verify queries agree.
 
-The whole layer stack goes in with the layer index as an int32 input (`layer=`): slicing `ring.k[L]` outside
-makes XLA copy the layer (R-proportional bytes) before the custom call. Per-row arithmetic depends on
+The model's ring keeps one array per layer (decode/kv_ring.py), passed as is; a caller holding a stacked
+[L, R, ...] ring passes it whole with the layer index (`layer=`, an int32 input): slicing `ring.k[L]` outside
+would make XLA copy the layer (R-proportional bytes) before the custom call. Per-row arithmetic depends on
 positions only, and the schedule on the live tile count only, so rings of any capacity give bitwise-equal
 outputs at depths they both hold (DESIGN invariants 1 and 2).
 
