@@ -62,6 +62,15 @@ GROUPED_IMPLS = ("tiles", "ragged_dot")
 GROUPED_DEQUANT_BUDGET = 256 << 20
 # Rows per tile of `_moe_grouped` (None: `grouped_tile_rows`, from the mean rows per expert; read at trace time).
 GROUPED_ROWS_PER_TILE: int | None = None
+# Tiles per scan step of `_moe_grouped` (None: `grouped_tiles_per_step()`; read at trace time).
+GROUPED_TILES_PER_STEP: int | None = None
+
+
+def grouped_tiles_per_step() -> int:
+  """Default tiles per scan step: 1 on CPU (a step's dots are already large enough for its cores), 16 on an
+  accelerator, where a step's ~10 small kernels are launch-bound and NT (up to ~2.5 E: 1,000+ for 512 experts)
+  sequential steps per layer would dominate a prefill. Not yet measured on the GPU (docs/PERF.md, "Prefill")."""
+  return 1 if jax.default_backend() == "cpu" else 16
 
 
 def grouped_tile_rows(n_pairs: int, n_experts: int) -> int:
@@ -100,12 +109,15 @@ def _expert_fn(w, n_experts, predequantize):
   return lambda e: as_dense(_take(w, e))
 
 
-def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, dequant_budget):
+def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, dequant_budget,
+                       tiles_per_step=None):
   T, K = ids_TK.shape
   P, E, D = T * K, n_experts, x_TD.shape[-1]
   F = weight_shape(gate)[-2]
   M = int(rows_per_tile or GROUPED_ROWS_PER_TILE or grouped_tile_rows(P, E))
+  G = int(tiles_per_step or GROUPED_TILES_PER_STEP or grouped_tiles_per_step())
   NT = (P + min(E, P) * (M - 1)) // M                       # static bound on the tiles of any routing
+  NT = -(-NT // G) * G                                      # whole steps of G tiles (extra tiles: all padding)
   x = x_TD.astype(jnp.float32)
   flat, order, counts, starts = _route_sorted(ids_TK, E)
 
@@ -129,15 +141,15 @@ def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_t
   gate_e, up_e, down_e = (_expert_fn(w, E, pre) for w in (gate, up, down))
 
   def one(y_PD, tile):
-    e, tok, pair = tile
-    g, u, d = gate_e(e), up_e(e), down_e(e)
-    xt = x[tok]                                                                  # [M, D]
-    h = (jax.nn.silu(jnp.einsum("md,fd->mf", xt, g, precision=HIGHEST))
-         * jnp.einsum("md,fd->mf", xt, u, precision=HIGHEST))
-    yt = jnp.einsum("mf,df->md", h, d, precision=HIGHEST)
-    return y_PD.at[pair].set(yt, unique_indices=True, mode="drop"), None       # back to pair order t*K + k
+    e, tok, pair = tile                                                          # [G], [G, M], [G, M]
+    g, u, d = gate_e(e), up_e(e), down_e(e)                                      # [G, F, D], [G, F, D], [G, D, F]
+    xt = x[tok]                                                                  # [G, M, D]
+    h = (jax.nn.silu(jnp.einsum("gmd,gfd->gmf", xt, g, precision=HIGHEST))
+         * jnp.einsum("gmd,gfd->gmf", xt, u, precision=HIGHEST))
+    yt = jnp.einsum("gmf,gdf->gmd", h, d, precision=HIGHEST)
+    return y_PD.at[pair.reshape(-1)].set(yt.reshape(-1, D), unique_indices=True, mode="drop"), None  # pair order
 
-  tiles = (tile_e, row_tok.reshape(NT, M), row_pair.reshape(NT, M))
+  tiles = (tile_e.reshape(NT // G, G), row_tok.reshape(NT // G, G, M), row_pair.reshape(NT // G, G, M))
   y, _ = jax.lax.scan(one, jnp.zeros((P, D), jnp.float32), tiles)                # [P, D], pair order
   return _combine(y, w_TK)
 
@@ -158,21 +170,22 @@ def _moe_grouped_ragged(x_TD, ids_TK, w_TK, gate, up, down, n_experts):
 
 
 def _moe_grouped(x_TD, ids_TK, w_TK, gate, up, down, n_experts, *, impl="tiles", rows_per_tile=None,
-                 dequant_budget=None):
+                 dequant_budget=None, tiles_per_step=None):
   """The routed pairs only: P = T*k (token, expert) pairs, sorted by expert (stable); float32, dots at HIGHEST.
 
   impl="tiles" (default): the sorted pairs are laid out in row tiles of M rows (`rows_per_tile`, default
   `grouped_tile_rows(P, E)`), each tile holding pairs of one expert (an expert's last tile is padded), and a
-  `lax.scan` of static length NT = (P + min(E, P) * (M - 1)) // M runs one tile per step: gather the tile's
-  token rows, silu(x g^T) * (x u^T), h d^T, and write the rows back at their pair index t*K + k (a scatter with
-  unique indices; padding rows are dropped). Then y [T, K, D] times the router weights, summed over k.
+  `lax.scan` runs G tiles per step (`tiles_per_step`, default `grouped_tiles_per_step()`: 1 on CPU, 16 on an
+  accelerator) over NT = (P + min(E, P) * (M - 1)) // M tiles rounded up to a multiple of G: gather the tiles'
+  token rows, silu(x g^T) * (x u^T), h d^T as batched dots over the G tiles' experts, and write the rows back at
+  their pair index t*K + k (a scatter with unique indices; padding rows are dropped). Then y [T, K, D] times the router weights, summed over k.
   Work: NT*M <= P + min(E, P) * (M - 1) rows, vs T*E for `_moe_dense`.
   Dequantization (QTensor.dense, bit-exact): when all experts as float32 fit `dequant_budget` bytes
   (E*3*F*D*4 <= budget; default GROUPED_DEQUANT_BUDGET), each expert is dequantized once up front and the
   steps index that copy; otherwise each step dequantizes its tile's expert (NT < 2.5 E with the default M).
   Peak temporary memory, float32 bytes: the pair outputs P*D*4 (the scan carry), plus either the up-front
-  copy (<= dequant_budget) or one expert per step, 3*F*D*4 (and the dequantizer's same-sized temporaries),
-  plus O(NT*M) int32 indices and one tile's activations, M*(D+2F)*4. Qwen3-30B-A3B shapes (E=128, k=8,
+  copy (<= dequant_budget) or G experts per step, G*3*F*D*4 (and the dequantizer's same-sized temporaries),
+  plus O(NT*M) int32 indices and one step's activations, G*M*(D+2F)*4. Qwen3-30B-A3B shapes (E=128, k=8,
   D=2048, F=768: all experts 2.4 GB, over the default budget), T=1024: 67 MB + 19 MB.
 
   impl="ragged_dot": `jax.lax.ragged_dot_general` over all experts dequantized at once (E*3*F*D*4 bytes: 2.4 GB
@@ -185,7 +198,7 @@ def _moe_grouped(x_TD, ids_TK, w_TK, gate, up, down, n_experts, *, impl="tiles",
   """
   budget = GROUPED_DEQUANT_BUDGET if dequant_budget is None else int(dequant_budget)
   if impl == "tiles":
-    return _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, budget)
+    return _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, budget, tiles_per_step)
   if impl == "ragged_dot":
     return _moe_grouped_ragged(x_TD, ids_TK, w_TK, gate, up, down, n_experts)
   raise ValueError(f"grouped MoE impl {impl!r}, expected one of {GROUPED_IMPLS}")

@@ -98,7 +98,8 @@ def _inputs(T, E, K, D, routing, seed):
   return x, ids, w
 
 
-_grouped = jax.jit(moe_ops._moe_grouped, static_argnames=("n_experts", "impl", "rows_per_tile", "dequant_budget"))
+_grouped = jax.jit(moe_ops._moe_grouped, static_argnames=("n_experts", "impl", "rows_per_tile", "dequant_budget",
+                                                           "tiles_per_step"))
 _dense = jax.jit(moe_ops._moe_dense, static_argnames=("n_experts",))
 
 
@@ -138,7 +139,9 @@ def test_grouped_matches_float64_oracle_and_dense(T, E, K, weights, routing, mon
 
 @pytest.mark.parametrize("weights", ["Q4_K", "float_oddF"])
 @pytest.mark.parametrize("variant", [dict(rows_per_tile=1), dict(rows_per_tile=3, dequant_budget=0),
-                                     dict(rows_per_tile=64), dict(dequant_budget=0), dict(impl="ragged_dot")],
+                                     dict(rows_per_tile=64), dict(dequant_budget=0), dict(impl="ragged_dot"),
+                                     dict(tiles_per_step=4), dict(rows_per_tile=3, tiles_per_step=3, dequant_budget=0),
+                                     dict(rows_per_tile=1, tiles_per_step=16)],
                          ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
 def test_tile_sizes_and_ragged_dot(weights, variant):
   """Tile boundaries (1 row per tile, odd tiles that split experts, one tile larger than any expert), experts
