@@ -6,7 +6,9 @@ For T <= 16 tokens with top-K routing, P = T*K (token, expert) pairs, p = t*K + 
      input, no scalar prefetch), reads rows [i*BN, i*BN + BN) of gate[e] and up[e] (QTensor planes
      [E, F, nb, ...]) over the whole D, dequantizes in registers (the tiles of ops/qmatmul_pallas) and writes
      h[p, rows] = silu(gate . x_t) * (up . x_t), straight into the down type's x layout (`x_view_index`), so no
-     op runs between the two kernels.
+     op runs between the two kernels. Optionally (tile option KS > 1) D is split over KS programs per row tile
+     and pair; they write partial sums that XLA adds in a fixed order before SiLU(g) * u (more programs in
+     flight at B = 1, where the grid is only F / BN x K programs).
   2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
      y[p, rows] = w[p] * (down[e] . h[p]). The K partial rows of a token are summed afterwards in a fixed order
      (a [T, K, D] -> [T, D] reduction XLA fuses), so the result is deterministic and every program is short:
@@ -44,9 +46,13 @@ def _lead(lid_ref, e):
   return (e,) if lid_ref is None else (lid_ref[0], e)
 
 
-def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb, unroll, down_qtype, stacked):
+def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb, unroll, down_qtype, stacked,
+                   KS):
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
-  *w_refs, h_ref = refs
+  if KS > 1:
+    *w_refs, g_ref, u_ref = refs
+  else:
+    *w_refs, h_ref = refs
   n = len(names)
   G, U = dict(zip(names, w_refs[:n])), dict(zip(names, w_refs[n:]))
   p = pl.program_id(1)
@@ -54,14 +60,21 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
   t = p // K
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), F - 1)
 
+  off = pl.program_id(2) * (nb // KS) if KS > 1 else 0           # split K: this program's share of the blocks
+
   def tile_sums(b0, s):
+    b0 = b0 + off
     xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *idx)]]
     g = qp.TILES[qtype](lambda name, *idx: G[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     u = qp.TILES[qtype](lambda name, *idx: U[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     return jnp.sum(g, axis=1), jnp.sum(u, axis=1)
 
   zero = jnp.zeros((BN,), F32)
-  g, u = qp.k_loop(nb, S, unroll, tile_sums, (zero, zero))
+  g, u = qp.k_loop(nb // KS, S, unroll, tile_sums, (zero, zero))
+  if KS > 1:                          # partial sums; XLA adds the KS parts in a fixed order, then SiLU(g) * u
+    g_ref[pl.program_id(2), p, rows] = g
+    u_ref[pl.program_id(2), p, rows] = u
+    return
   h = g / (1.0 + jnp.exp(-g)) * u
   h_ref[p, qp.x_view_index(down_qtype, rows)] = h
 
@@ -90,9 +103,19 @@ def supported(x_TD, ids_TK, gate, up, down) -> bool:
 
 
 def _cfg(kernel, qtype, rows, nb, overrides):
+  """Tile sizes of one kernel; gate/up also takes KS, a split of D's nb blocks over KS programs (a power of two
+  dividing nb; 1 = off): at B = 1 it multiplies the programs in flight by KS, and XLA adds the KS partial sums."""
   o = dict(MOE_TUNING.get((kernel, qtype), {}))
   o.update((overrides or {}).get(kernel, {}))
-  return tuple(sorted(qp.config(qtype, rows, nb, o).items()))
+  ks = int(o.pop("KS", 1))
+  if ks != 1 and kernel != "gateup":
+    raise ValueError(f"moe_pallas {kernel}: KS (split K) applies to the gate/up kernel only")
+  if ks < 1 or nb % ks or ks & (ks - 1):
+    raise ValueError(f"moe_pallas {kernel}: KS={ks} must be a power of two dividing {nb} blocks")
+  c = qp.config(qtype, rows, nb // ks, o)
+  if kernel == "gateup":
+    c["KS"] = ks
+  return tuple(sorted(c.items()))
 
 
 @functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd"))
@@ -105,13 +128,20 @@ def _moe(x_TD, ids_TK, w_TK, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
   cg, cd = dict(cg), dict(cd)
   nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
   names_g, names_d = repack.plane_names(gq), repack.plane_names(dq)
+  KS = cg["KS"]
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, K=K, F=F, BN=cg["BN"], S=cg["S"],
-                             nb=nbD, unroll=cg["unroll"], down_qtype=dq, stacked=stacked)
-  h = pl.pallas_call(
-      gateup, out_shape=jax.ShapeDtypeStruct((P, F), F32), grid=(pl.cdiv(F, cg["BN"]), P),
+                             nb=nbD, unroll=cg["unroll"], down_qtype=dq, stacked=stacked, KS=KS)
+  parts = pl.pallas_call(
+      gateup, grid=(pl.cdiv(F, cg["BN"]), P, KS),
+      out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
   )(ids, qp.x_view(x_TD.astype(F32), gq), qp.table(gq), *lid, *gplanes, *uplanes)
-  h = h.reshape(P, nbF, *(qp.XVIEW[dq][i] for i in qp.XPERM[dq]))        # already in the x layout of dq
+  if KS > 1:
+    g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
+    h = qp.x_view(g / (1.0 + jnp.exp(-g)) * u, dq)
+  else:
+    h = parts
+  h = h.reshape(P, nbF, *(qp.XVIEW[dq][i] for i in qp.XPERM[dq]))        # the x layout of dq
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd["BN"], S=cd["S"], nb=nbF,
                            unroll=cd["unroll"], stacked=stacked)
   y = pl.pallas_call(

@@ -106,6 +106,24 @@ def test_moe_stacked_layer_index_matches_reference(gq, dq):
     moe_pallas.moe_pallas(x, ids, w, g[0], u[0], d[0], layer=0, interpret=True)
 
 
+@pytest.mark.parametrize("ks", [2, 4])
+def test_moe_split_k_matches_reference(ks):
+  """gate/up with D split over KS programs (partial sums added by XLA): equal to the reference, stacked too."""
+  rng = np.random.default_rng(13)
+  L, E, F, D, K, B = 2, 4, 256, 1024, 2, 3
+  g = QTensor.from_gguf(quant.random_blocks("IQ3_S", (L, E, F, D), rng), "IQ3_S", D)
+  u = QTensor.from_gguf(quant.random_blocks("IQ3_S", (L, E, F, D), rng), "IQ3_S", D)
+  d = QTensor.from_gguf(quant.random_blocks("Q4_K", (L, E, D, F), rng), "Q4_K", F)
+  x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
+  w = jnp.asarray(rng.random((B, K)).astype(np.float32))
+  ov = {"gateup": dict(BN=64, S=1, KS=ks), "down": dict(BN=64, S=1)}
+  y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, overrides=ov)
+  assert _relerr(y, moe_ops.moe_ref(x, ids, w, g[1], u[1], d[1])) < 1e-5
+  with pytest.raises(ValueError, match="KS=3"):
+    moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, overrides={"gateup": dict(KS=3)})
+
+
 def test_qmatmul_stacked_layer_index_matches_reference():
   rng = np.random.default_rng(12)
   w = QTensor.from_gguf(quant.random_blocks("Q4_K", (3, 40, 512), rng), "Q4_K", 512)

@@ -52,3 +52,17 @@ def test_moe_lowers(qtype, platform):
     w = jax.ShapeDtypeStruct((T, 8), jnp.float32)
     txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d), x, ids, w, g, g, d)
     assert txt.count("__gpu$xla.gpu.triton") == 2                 # gate/up kernel, down kernel
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_moe_stacked_and_split_k_lower(platform):
+  """The stacked-layer entry (layer index an input) and gate/up split over K lower for both GPU platforms."""
+  g = _abstract_qtensor("IQ3_S", (4, 128, 768, 2048))
+  d = _abstract_qtensor("Q4_K", (4, 128, 2048, 768))
+  x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  w = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+  ov = {"gateup": dict(KS=4)}
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(2),
+                                                                        overrides=ov), x, ids, w, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
