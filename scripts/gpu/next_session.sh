@@ -9,7 +9,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call that compile the same function
 filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
 case "${PART:-1}" in
-1)  # issue 3 (b) for the other types; issue 4 flatness on the new kernels; issue 7 Q4_K end to end; issue 6 store
+1)  # issue 3: split-K sweep at B = 1, (b) for the other types; issue 4 flatness on the new kernels; issue 7 Q4_K
+    # end to end, a per-kernel profile, whole-loop command buffers; issue 6 store placement
+  timeout 100 python3 -m ops.bench --out $OUT/kern --types IQ3_S,Q4_K --batches 1 --impls pallas --parts b \
+    --sweep_layers 48 --sweep '[{}, {"gateup": {"KS": 2}}, {"gateup": {"KS": 4}}, {"gateup": {"KS": 4, "BN": 32}},
+    {"gateup": {"KS": 8, "S": 1}, "down": {"BN": 32}}, {"gateup": {"BN": 8, "S": 4, "num_stages": 3},
+    "down": {"BN": 16, "num_stages": 3}}]' 2>&1 | filt | grep --line-buffered -E "^sweep|^\| " | tee $OUT/sweep.log
   timeout 150 python3 -m ops.bench --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
     --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
   timeout 150 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
