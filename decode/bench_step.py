@@ -7,6 +7,11 @@ random valid blocks built in memory (model.writer.random_params) of a preset's s
 
   python -m decode.bench_step --preset qwen3moe-30b-a3b --rings 4096,32768,131072 --depths 1024
   python -m decode.bench_step --preset qwen3moe-30b-a3b --rings 131072 --depths 1024,8192,32768,131072
+  python -m decode.bench_step --cells 32768:131072:auto:pallas:139264     # a 32K ring + host tier at 128K depth
+
+A fifth cell field C (max_context) adds a host tier of C positions (decode/host_tier.py, pinned host memory on
+a GPU): the ring holds the newest R positions of `depth`, the tier the older ones, and every step evicts one
+position into the tier and merges the two attentions (log-sum-exp).
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ flags.DEFINE_list("rings", ["4096", "16384", "32768", "131072"], "ring capacitie
 flags.DEFINE_list("depths", ["1024"], "live positions before timing")
 flags.DEFINE_list("kernels", ["xla"], "quantized kernels: xla | pallas")
 flags.DEFINE_list("attn", ["auto"], "attention on the GPU: auto (the dispatcher's default) | ref | pallas")
-flags.DEFINE_list("cells", None, "explicit cells ring:depth[:attn[:kernels]] (instead of the rings x depths grid)")
+flags.DEFINE_list("cells", None, "explicit cells ring:depth[:attn[:kernels[:max_context]]] (instead of the rings x "
+                  "depths grid); max_context > ring adds a host tier")
 flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
@@ -34,11 +40,12 @@ flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell w
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
 
-def fill_ring(ring, depth: int, seed: int = 0):
-  """Random K/V (RoPE'd values are unit-scale) at positions [0, depth); length = depth."""
+def fill_ring(ring, depth: int, seed: int = 0, wrap: bool = False):
+  """Random K/V (RoPE'd values are unit-scale) at positions [0, depth); length = depth. With `wrap` (a host tier
+  holds the older positions) depth may exceed the window: every slot is then live."""
   import jax
   import jax.numpy as jnp
-  if depth > ring.window:
+  if depth > ring.window and not wrap:
     raise ValueError(f"depth {depth} exceeds the ring's window {ring.window}")
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
   live = jnp.arange(ring.capacity) < depth
@@ -57,8 +64,34 @@ def fill_ring(ring, depth: int, seed: int = 0):
   return ring
 
 
-def time_steps(params, cfg, ring, steps: int, repeats: int) -> list[float]:
-  """Seconds per decode step (one value per repeat) of the jitted plain loop."""
+def fill_host(ring, depth: int, capacity: int, seed: int = 1):
+  """A host tier of `capacity` positions holding random K/V for the positions the ring no longer shows,
+  [0, depth - window), placed in pinned host memory where the backend has it."""
+  import jax
+  import jax.numpy as jnp
+
+  from decode.host_tier import HostTier, place_on_host
+  tier = HostTier.like(ring, capacity)
+  n = max(0, depth - ring.window)
+  live = jnp.arange(capacity) < n
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * ring.n_layers)
+
+  def rnd(key, like):
+    x = jax.random.normal(key, like.shape, jnp.float32)
+    if like.dtype == jnp.int8:
+      return jnp.where(live[:, None, None], jnp.clip(jnp.round(x * 40), -127, 127), 0).astype(jnp.int8)
+    return jnp.where(live[:, None, None], x, 0).astype(like.dtype)
+  tier = tier.replace(k=tuple(rnd(keys[2 * i], a) for i, a in enumerate(tier.k)),
+                      v=tuple(rnd(keys[2 * i + 1], a) for i, a in enumerate(tier.v)))
+  if tier.k_scale is not None:
+    s = jnp.where(live[:, None], 1.0 / 40, 0.0).astype(jnp.float32)
+    tier = tier.replace(k_scale=tuple(jnp.broadcast_to(s, a.shape) + 0 for a in tier.k_scale),
+                        v_scale=tuple(jnp.broadcast_to(s, a.shape) + 0 for a in tier.v_scale))
+  return place_on_host(tier)
+
+
+def time_steps(params, cfg, ring, steps: int, repeats: int, host=None) -> list[float]:
+  """Seconds per decode step (one value per repeat) of the jitted plain loop (with a host tier when given)."""
   import jax
   import jax.numpy as jnp
 
@@ -69,7 +102,8 @@ def time_steps(params, cfg, ring, steps: int, repeats: int) -> list[float]:
   out = []
   ls = None
   for r in range(repeats + 1):
-    st = api.ModelState(ring if ls is None else ls.model.ring.rewind(base_len))
+    st = (api.ModelState(ring, host=host) if ls is None
+          else ls.model.replace(ring=ls.model.ring.rewind(base_len)))
     ls = LoopState(st, jnp.zeros((steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1), jax.random.PRNGKey(0),
                    jnp.zeros((), bool))
     jax.block_until_ready(ls)
@@ -101,16 +135,17 @@ def main(argv):
   commit, device = _commit(), _device()
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   rows = []
-  cells = [(int(r), int(d), kn, at) for r in FLAGS.rings for d in FLAGS.depths for kn in FLAGS.kernels for at in FLAGS.attn
-           if int(d) <= int(r)]
+  cells = [(int(r), int(d), kn, at, None) for r in FLAGS.rings for d in FLAGS.depths for kn in FLAGS.kernels
+           for at in FLAGS.attn if int(d) <= int(r)]
   if FLAGS.cells:
     cells = []
     for c in FLAGS.cells:
-      parts = c.split(":") + ["auto", FLAGS.kernels[0]][len(c.split(":")) - 2:]
-      cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2]))
+      parts = c.split(":")
+      parts += ["auto", FLAGS.kernels[0], ""][len(parts) - 2:]
+      cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2], int(parts[4]) if parts[4] else None))
   with open(FLAGS.out, "a") as f:
     prev = None
-    for R, depth, kn, at in tqdm(cells, desc="cells", file=sys.stderr):
+    for R, depth, kn, at, C in tqdm(cells, desc="cells", file=sys.stderr):
       if prev is not None and prev != (kn, at):
         jax.clear_caches()                      # the attention choice is read at trace time
       prev = (kn, at)
@@ -119,8 +154,13 @@ def main(argv):
       if at != "auto":
         attention.DEFAULT_GPU_IMPL = at          # read at trace time; caches are cleared after each cell
       try:
-        ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)), depth)
-        ts = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats)
+        if C is not None and C < depth + FLAGS.steps + 1:
+          raise ValueError(f"max_context {C} < depth {depth} + {FLAGS.steps + 1} steps")
+        host_cap = C if C is not None and C > R else None
+        ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)),
+                         depth, wrap=host_cap is not None)
+        host = fill_host(ring, depth, host_cap) if host_cap else None
+        ts = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host)
       except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
         print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
         continue
@@ -129,21 +169,22 @@ def main(argv):
       if FLAGS.profile:
         tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}")
         with jax.profiler.trace(tdir, create_perfetto_trace=True):
-          time_steps(p, cfg, fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv,
-                                                     block=min(256, R)), depth), FLAGS.steps, 0)
+          time_steps(p, cfg, ring, FLAGS.steps, 0, host)
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
+             "host_tier": host_cap,
              "attn": at, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "commit": commit, "device": device,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
       f.write(json.dumps(rec) + "\n")
       f.flush()
       rows.append(rec)
-      print(f"R={R} depth={depth} {kn}/{at}: {ms:.3f} ms/step", file=sys.stderr)
+      print(f"R={R} depth={depth} {kn}/{at}{f' host {host_cap}' if host_cap else ''}: {ms:.3f} ms/step", file=sys.stderr)
   print(f"\n{FLAGS.preset} ({FLAGS.experts} experts, {FLAGS.other} other, {FLAGS.kv} KV), {device}, commit {commit}, "
         f"{FLAGS.steps} steps x {FLAGS.repeats}\n")
-  print("| ring | depth | kernels | attn | ms/step | tok/s |\n| ---: | ---: | --- | --- | ---: | ---: |")
+  print("| ring | host tier | depth | kernels | attn | ms/step | tok/s |\n| ---: | ---: | ---: | --- | --- | ---: | ---: |")
   for r in rows:
-    print(f"| {r['ring']} | {r['depth']} | {r['kernels']} | {r['attn']} | {r['ms_per_step']:.3f} | {1e3 / r['ms_per_step']:.1f} |")
+    print(f"| {r['ring']} | {r['host_tier'] or '-'} | {r['depth']} | {r['kernels']} | {r['attn']} | {r['ms_per_step']:.3f} | "
+          f"{1e3 / r['ms_per_step']:.1f} |")
 
 
 if __name__ == "__main__":

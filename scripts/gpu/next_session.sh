@@ -19,6 +19,9 @@ case "${PART:-1}" in
     --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
   timeout 150 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
     --cells 4096:1024:auto:pallas,49152:1024:auto:pallas,131072:1024:auto:pallas,131072:1024:ref:pallas 2>&1 | filt | tail -8
+  timeout 150 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
+    --cells 32768:1024:auto:pallas:139264,32768:32768:auto:pallas:139264,32768:65536:auto:pallas:139264,32768:131072:auto:pallas:139264 \
+    2>&1 | filt | tail -7                                                       # issue 4: depth with a host tier
   timeout 130 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --experts Q4_K --steps 32 --repeats 3 \
     --out $OUT/step.jsonl --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -5
   timeout 120 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 16 --repeats 1 --out $OUT/prof.jsonl \
