@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements still open after 2026-11-30, in priority order, split into parts that each fit one device
 # call (<= 9.5 min; the machine compiles a 48-layer model per arm in ~60-120 s). Run `PART=1 bash
-# scripts/gpu/next_session.sh`, then PART=2 .. 5. Results land in $OUT as JSONL + logs; docs/PERF.md says
+# scripts/gpu/next_session.sh`, then PART=1b, 2, 3, 4, 5. Results land in $OUT as JSONL + logs; docs/PERF.md says
 # which table each feeds. Every step has its own timeout so one slow step cannot eat the others' output.
 set -o pipefail
 source scripts/gpu/env.sh
@@ -9,8 +9,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call that compile the same function
 filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
 case "${PART:-1}" in
-1)  # issue 3: split-K sweep at B = 1, (b) for the other types; issue 4 flatness on the new kernels; issue 7 Q4_K
-    # end to end, a per-kernel profile, whole-loop command buffers; issue 6 store placement
+1)  # issue 3: split-K sweep at B = 1, (b) for the other types; issue 4: flatness on the new kernels, host tier
   timeout 100 python3 -m ops.bench --out $OUT/kern --types IQ3_S,Q4_K --batches 1 --impls pallas --parts b \
     --sweep_layers 48 --sweep '[{}, {"gateup": {"KS": 2}}, {"gateup": {"KS": 4}}, {"gateup": {"KS": 4, "BN": 32}},
     {"gateup": {"KS": 8, "S": 1}, "down": {"BN": 32}}, {"gateup": {"BN": 8, "S": 4, "num_stages": 3},
@@ -22,6 +21,8 @@ case "${PART:-1}" in
   timeout 150 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
     --cells 32768:1024:auto:pallas:139264,32768:32768:auto:pallas:139264,32768:65536:auto:pallas:139264,32768:131072:auto:pallas:139264 \
     2>&1 | filt | tail -7                                                       # issue 4: depth with a host tier
+  ;;
+1b) # issue 7: Q4_K experts end to end; where a step's time goes; whole-loop command buffers; issue 6 store; checks
   timeout 130 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --experts Q4_K --steps 32 --repeats 3 \
     --out $OUT/step.jsonl --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -5
   timeout 120 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 16 --repeats 1 --out $OUT/prof.jsonl \
