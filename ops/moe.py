@@ -9,7 +9,8 @@
 `_moe_dense` (every expert on every token, weighted by a combine weight that is zero for tokens that did not pick
 it: E/k times the FLOPs) is kept as a second reference. `moe` dispatches on the experts' `kernel` field:
 "pallas" / "interpret" run the fused Pallas kernels of ops/moe_pallas.py (gate+up+SiLU, then down with the
-router-weighted sum) when they apply (T <= 16 tokens, kernel types, gate and up of one type), the reference
+router-weighted sum) for T <= 16 tokens and the grouped kernels of ops/moe_grouped_pallas.py (the tiles of
+`tile_layout`, 16 rows each) for more, when the types have kernels (gate and up of one type); the reference
 otherwise.
 """
 from __future__ import annotations
@@ -109,21 +110,18 @@ def _expert_fn(w, n_experts, predequantize):
   return lambda e: as_dense(_take(w, e))
 
 
-def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, dequant_budget,
-                       tiles_per_step=None):
-  T, K = ids_TK.shape
-  P, E, D = T * K, n_experts, x_TD.shape[-1]
-  F = weight_shape(gate)[-2]
-  M = int(rows_per_tile or GROUPED_ROWS_PER_TILE or grouped_tile_rows(P, E))
-  G = int(tiles_per_step or GROUPED_TILES_PER_STEP or grouped_tiles_per_step())
-  NT = (P + min(E, P) * (M - 1)) // M                       # static bound on the tiles of any routing
-  NT = -(-NT // G) * G                                      # whole steps of G tiles (extra tiles: all padding)
-  x = x_TD.astype(jnp.float32)
-  flat, order, counts, starts = _route_sorted(ids_TK, E)
+def tile_layout(ids_TK, n_experts: int, M: int, G: int = 1):
+  """Row tiles of the routed pairs, sorted by expert: (NT, tile_e [NT], row_tok [NT*M], row_pair [NT*M]).
 
-  # Tiles: expert e owns ceil(counts[e] / M) consecutive tiles from tile_start[e]; its j-th sorted pair sits in
-  # row tile_start[e] * M + j of the padded layout [NT * M]. Padding rows (past an expert's count, or in tiles
-  # past the last expert's) run on token 0 and are dropped by the scatter (pair index P is out of bounds).
+  Pair p = t*K + k. Expert e owns ceil(count_e / M) consecutive tiles; its j-th sorted pair sits in row
+  tile_start[e] * M + j. NT = (P + min(E, P) * (M - 1)) // M rounded up to a multiple of G is a static bound for
+  any routing. Padding rows (past an expert's count, or in tiles past the last expert's) carry token 0 and pair
+  index P (out of bounds: a scatter with mode="drop" discards them); tiles past the last are given expert E-1."""
+  T, K = ids_TK.shape
+  P, E = T * K, n_experts
+  NT = (P + min(E, P) * (M - 1)) // M
+  NT = -(-NT // G) * G
+  flat, order, counts, starts = _route_sorted(ids_TK, E)
   n_tiles = (counts + M - 1) // M
   tile_end = jnp.cumsum(n_tiles)
   tile_start = tile_end - n_tiles
@@ -136,6 +134,18 @@ def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_t
   # expert of tile i: the number of experts whose tiles end at or before i (E past the last: clamped)
   tile_e = jnp.minimum(jnp.sum(tile_end[None, :] <= jnp.arange(NT, dtype=jnp.int32)[:, None], axis=1,
                                dtype=jnp.int32), E - 1)
+  return NT, tile_e, row_tok, row_pair
+
+
+def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, dequant_budget,
+                       tiles_per_step=None):
+  T, K = ids_TK.shape
+  P, E, D = T * K, n_experts, x_TD.shape[-1]
+  F = weight_shape(gate)[-2]
+  M = int(rows_per_tile or GROUPED_ROWS_PER_TILE or grouped_tile_rows(P, E))
+  G = int(tiles_per_step or GROUPED_TILES_PER_STEP or grouped_tiles_per_step())
+  x = x_TD.astype(jnp.float32)
+  NT, tile_e, row_tok, row_pair = tile_layout(ids_TK, E, M, G)
 
   pre = 4 * E * 3 * F * D <= dequant_budget
   gate_e, up_e, down_e = (_expert_fn(w, E, pre) for w in (gate, up, down))
@@ -213,8 +223,14 @@ def moe_ref(x_TD, ids_TK, w_TK, gate, up, down):
 
 
 def moe(x_TD, ids_TK, w_TK, gate, up, down):
+  """Dispatch on the experts' `kernel` field: "pallas" / "interpret" take the decode kernels (ops/moe_pallas)
+  for T <= 16 tokens and the grouped kernels (ops/moe_grouped_pallas: row tiles of one expert) for more, when
+  the types have kernels; everything else takes `moe_ref`."""
   if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kernel in ("pallas", "interpret"):
-    from ops import moe_pallas
+    from ops import moe_grouped_pallas, moe_pallas
+    interpret = gate.kernel == "interpret"
     if moe_pallas.supported(x_TD, ids_TK, gate, up, down):
-      return moe_pallas.moe_pallas(x_TD, ids_TK, w_TK, gate, up, down, interpret=gate.kernel == "interpret")
+      return moe_pallas.moe_pallas(x_TD, ids_TK, w_TK, gate, up, down, interpret=interpret)
+    if moe_grouped_pallas.supported(gate, up, down):
+      return moe_grouped_pallas.moe_grouped_pallas(x_TD, ids_TK, w_TK, gate, up, down, interpret=interpret)
   return moe_ref(x_TD, ids_TK, w_TK, gate, up, down)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ops import moe as moe_ops
-from ops import moe_pallas, qmatmul, qmatmul_pallas, quant, repack
+from ops import moe_grouped_pallas, moe_pallas, qmatmul, qmatmul_pallas, quant, repack
 from ops.qtensor import QTensor, with_kernels
 
 TYPES = qmatmul_pallas.KERNEL_TYPES
@@ -133,6 +133,27 @@ def test_qmatmul_stacked_layer_index_matches_reference():
     assert _relerr(f(jnp.int32(l)), qmatmul.qmatmul_ref(x, w[l])) < 1e-5
 
 
+@pytest.mark.parametrize("gq,dq,T,E,K", [("IQ3_S", "Q4_K", 40, 8, 2), ("Q8_0", "Q6_K", 23, 5, 3),
+                                         ("Q4_K", "IQ4_XS", 33, 6, 1)])
+def test_moe_grouped_interpret_matches_reference(gq, dq, T, E, K):
+  """The grouped prefill kernels (row tiles of one expert, 16 tokens each; an expert with no token, experts
+  spanning several tiles) against the reference."""
+  rng = np.random.default_rng(T * E + K)
+  F, D = 256, 512
+  g = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
+  u = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
+  d = QTensor.from_gguf(quant.random_blocks(dq, (E, D, F), rng), dq, F)
+  x = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+  ids = np.stack([rng.choice(E - 1, K, replace=False) for _ in range(T)]).astype(np.int32)   # expert E-1: none
+  w = jnp.asarray(rng.random((T, K)).astype(np.float32))
+  ov = {"gateup": dict(BN=64), "down": dict(BN=128)}
+  y = moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), w, g, u, d, interpret=True, overrides=ov)
+  assert _relerr(y, moe_ops.moe_ref(x, jnp.asarray(ids), w, g, u, d)) < 1e-5
+  # dispatch: more than 16 tokens with kernel "interpret" takes the grouped kernels
+  y2 = moe_ops.moe(x, jnp.asarray(ids), w, *(t.replace(kernel="interpret") for t in (g, u, d)))
+  assert _relerr(y2, y) < 1e-5
+
+
 def test_dispatch_uses_kernel_field_and_falls_back():
   rng = np.random.default_rng(3)
   w = QTensor.from_gguf(quant.random_blocks("Q8_0", (16, 64), rng), "Q8_0", 64)
@@ -161,3 +182,10 @@ def test_greedy_tokens_identical_xla_and_interpret():
   m.params = with_kernels(m.params, "interpret")
   out = generate(m, prompt, max_new_tokens=8, stop_at_eos=False)
   assert len(out.ids) == 8 and out.ids == ref.ids
+  # a prompt of more than 16 tokens: the prefill's experts run the grouped kernels
+  long_prompt = m.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n")
+  assert len(long_prompt) > moe_pallas.qp.MAX_B
+  m.params = with_kernels(m.params, "xla")
+  ref = generate(m, long_prompt, max_new_tokens=4, stop_at_eos=False)
+  m.params = with_kernels(m.params, "interpret")
+  assert generate(m, long_prompt, max_new_tokens=4, stop_at_eos=False).ids == ref.ids

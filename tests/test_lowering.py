@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from ops import moe_pallas, qmatmul_pallas, quant, repack
+from ops import moe_grouped_pallas, moe_pallas, qmatmul_pallas, quant, repack
 from ops.qtensor import QTensor
 
 DEVICES = {"cuda": "NVIDIA H200", "rocm": "gfx942"}
@@ -65,4 +65,18 @@ def test_moe_stacked_and_split_k_lower(platform):
   ov = {"gateup": dict(KS=4)}
   txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(2),
                                                                         overrides=ov), x, ids, w, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("gq,dq", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS")])
+def test_moe_grouped_lowers(gq, dq, platform):
+  """The grouped prefill kernels (row tiles of one expert, 16 tokens each) lower for both GPU platforms."""
+  g = _abstract_qtensor(gq, (128, 768, 2048))
+  d = _abstract_qtensor(dq, (128, 2048, 768))
+  x = jax.ShapeDtypeStruct((512, 2048), jnp.float32)
+  ids = jax.ShapeDtypeStruct((512, 8), jnp.int32)
+  w = jax.ShapeDtypeStruct((512, 8), jnp.float32)
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
+               x, ids, w, g, g, d)
   assert txt.count("__gpu$xla.gpu.triton") == 2
