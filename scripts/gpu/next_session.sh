@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements still open after 2026-11-30, in priority order, split into parts that each fit one device
 # call (<= 9.5 min; the machine compiles a 48-layer model per arm in ~60-120 s). Run `PART=1 bash
-# scripts/gpu/next_session.sh`, then PART=1b, 2, 3, 4, 5. Results land in $OUT as JSONL + logs; docs/PERF.md says
+# scripts/gpu/next_session.sh`, then PART=1b, 1c, 2, 3, 4, 5. Results land in $OUT as JSONL + logs; docs/PERF.md says
 # which table each feeds. Every step has its own timeout so one slow step cannot eat the others' output.
 set -o pipefail
 source scripts/gpu/env.sh
@@ -34,6 +34,11 @@ case "${PART:-1}" in
   timeout 90 python3 scripts/gpu/expert_store_check.py --kernels pallas 2>&1 | filt | tail -12
   timeout 60 python3 -m ops.bench --out $OUT/kern --check --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1 \
     --impls pallas --parts b --layers 2 --iters 1 2>&1 | grep --line-buffered "^check" ;;
+1c) # issue 7: prefill (TTFT of a 1,024-token prompt) with the grouped Pallas kernels against the XLA path
+  for kn in pallas xla; do
+    timeout 250 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels $kn --drafts none \
+      --depths 1024 --rings 4096 --max_new_tokens 16 --seeds 2 --cells $OUT/prefill.jsonl 2>&1 | filt | tail -4
+  done ;;
 2)  # issue 5: round vs step for k = 1..4 with replay, and lookup (plain arm for the ratio)
   timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas \
     --drafts none,replay@1,replay@2,replay@4,lookup@3 --seeds 1 --max_new_tokens 64 --depths 1024 --rings 4096 \
