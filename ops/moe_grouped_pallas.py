@@ -35,6 +35,11 @@ F32, I32 = jnp.float32, jnp.int32
 M_ROWS = qp.MAX_B            # rows per tile: the kernels' static token loop
 
 
+def _token_rows(ref, j, b0, s):
+  """Loaders of tile j's M token rows of `ref` ([NT, M, nb, *x layout]) at blocks [b0, b0 + s), one per token."""
+  return [functools.partial(lambda m, *idx: ref[(j, m, pl.ds(b0, s), *idx)], m) for m in range(M_ROWS)]
+
+
 def _gateup_kernel(te_ref, nt_ref, x_ref, tab_ref, *refs, qtype, names, F, BN, S, nb, unroll, down_qtype):
   *w_refs, h_ref = refs
   n = len(names)
@@ -47,7 +52,7 @@ def _gateup_kernel(te_ref, nt_ref, x_ref, tab_ref, *refs, qtype, names, F, BN, S
     e = te_ref[j]
 
     def tile_sums(b0, s):
-      xs = [functools.partial(lambda m, *idx: x_ref[(j, m, pl.ds(b0, s), *idx)], m) for m in range(M_ROWS)]
+      xs = _token_rows(x_ref, j, b0, s)
       g = qp.TILES[qtype](lambda name, *idx: G[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)
       u = qp.TILES[qtype](lambda name, *idx: U[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)
       return tuple(jnp.sum(v, axis=1) for v in g + u)
@@ -70,8 +75,8 @@ def _down_kernel(te_ref, nt_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, 
     e = te_ref[j]
 
     def tile_sums(b0, s):
-      xs = [functools.partial(lambda m, *idx: h_ref[(j, m, pl.ds(b0, s), *idx)], m) for m in range(M_ROWS)]
-      y = qp.TILES[qtype](lambda name, *idx: W[name][(e, rows, pl.ds(b0, s), *idx)], xs, tab_ref)
+      y = qp.TILES[qtype](lambda name, *idx: W[name][(e, rows, pl.ds(b0, s), *idx)], _token_rows(h_ref, j, b0, s),
+                          tab_ref)
       return tuple(jnp.sum(v, axis=1) for v in y)
 
     acc = qp.k_loop(nb, S, unroll, tile_sums, tuple(jnp.zeros((BN,), F32) for _ in range(M_ROWS)))
