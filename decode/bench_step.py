@@ -40,58 +40,50 @@ flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell w
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
 
-def fill_ring(ring, depth: int, seed: int = 0, wrap: bool = False):
-  """Random K/V (RoPE'd values are unit-scale) at positions [0, depth); length = depth. With `wrap` (a host tier
-  holds the older positions) depth may exceed the window: every slot is then live."""
+def _random_kv(store, n_live: int, seed: int):
+  """`store` (a KVRing or a HostTier: per-layer k, v [C, Hkv, Dh] and int8 scales [C, Hkv]) with random K/V in its
+  first n_live slots (RoPE'd values are unit-scale; int8 as round(40 x) with scale 1/40) and zeros elsewhere."""
   import jax
   import jax.numpy as jnp
-  if depth > ring.window and not wrap:
-    raise ValueError(f"depth {depth} exceeds the ring's window {ring.window}")
-  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  live = jnp.arange(ring.capacity) < depth
+  live = jnp.arange(store.k[0].shape[0]) < n_live
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * len(store.k))
+
   def rnd(key, like):
     x = jax.random.normal(key, like.shape, jnp.float32)
     if like.dtype == jnp.int8:
       return jnp.where(live[:, None, None], jnp.clip(jnp.round(x * 40), -127, 127), 0).astype(jnp.int8)
     return jnp.where(live[:, None, None], x, 0).astype(like.dtype)
-  keys = jax.random.split(k1, 2 * ring.n_layers)
-  ring = ring.replace(k=tuple(rnd(keys[2 * i], a) for i, a in enumerate(ring.k)),
-                      v=tuple(rnd(keys[2 * i + 1], a) for i, a in enumerate(ring.v)), length=jnp.int32(depth))
-  if ring.k_scale is not None:
-    s = jnp.where(live[:, None], 1.0 / 40, 0.0).astype(jnp.float32)
-    ring = ring.replace(k_scale=tuple(jnp.broadcast_to(s, a.shape) + 0 for a in ring.k_scale),
-                        v_scale=tuple(jnp.broadcast_to(s, a.shape) + 0 for a in ring.v_scale))
-  return ring
+  store = store.replace(k=tuple(rnd(keys[2 * i], a) for i, a in enumerate(store.k)),
+                        v=tuple(rnd(keys[2 * i + 1], a) for i, a in enumerate(store.v)))
+  if store.k_scale is not None:
+    sc = jnp.where(live[:, None], 1.0 / 40, 0.0).astype(jnp.float32)
+    store = store.replace(k_scale=tuple(jnp.broadcast_to(sc, a.shape) + 0 for a in store.k_scale),
+                          v_scale=tuple(jnp.broadcast_to(sc, a.shape) + 0 for a in store.v_scale))
+  return store
+
+
+def fill_ring(ring, depth: int, seed: int = 0, wrap: bool = False):
+  """Random K/V at positions [0, depth); length = depth. With `wrap` (a host tier holds the older positions)
+  depth may exceed the window: every slot is then live."""
+  import jax.numpy as jnp
+  if depth > ring.window and not wrap:
+    raise ValueError(f"depth {depth} exceeds the ring's window {ring.window}")
+  return _random_kv(ring, depth, seed).replace(length=jnp.int32(depth))
 
 
 def fill_host(ring, depth: int, capacity: int, seed: int = 1):
   """A host tier of `capacity` positions holding random K/V for the positions the ring no longer shows,
   [0, depth - window), placed in pinned host memory where the backend has it."""
-  import jax
-  import jax.numpy as jnp
-
   from decode.host_tier import HostTier, place_on_host
-  tier = HostTier.like(ring, capacity)
-  n = max(0, depth - ring.window)
-  live = jnp.arange(capacity) < n
-  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * ring.n_layers)
-
-  def rnd(key, like):
-    x = jax.random.normal(key, like.shape, jnp.float32)
-    if like.dtype == jnp.int8:
-      return jnp.where(live[:, None, None], jnp.clip(jnp.round(x * 40), -127, 127), 0).astype(jnp.int8)
-    return jnp.where(live[:, None, None], x, 0).astype(like.dtype)
-  tier = tier.replace(k=tuple(rnd(keys[2 * i], a) for i, a in enumerate(tier.k)),
-                      v=tuple(rnd(keys[2 * i + 1], a) for i, a in enumerate(tier.v)))
-  if tier.k_scale is not None:
-    s = jnp.where(live[:, None], 1.0 / 40, 0.0).astype(jnp.float32)
-    tier = tier.replace(k_scale=tuple(jnp.broadcast_to(s, a.shape) + 0 for a in tier.k_scale),
-                        v_scale=tuple(jnp.broadcast_to(s, a.shape) + 0 for a in tier.v_scale))
-  return place_on_host(tier)
+  return place_on_host(_random_kv(HostTier.like(ring, capacity), max(0, depth - ring.window), seed))
 
 
-def time_steps(params, cfg, ring, steps: int, repeats: int, host=None) -> list[float]:
-  """Seconds per decode step (one value per repeat) of the jitted plain loop (with a host tier when given)."""
+def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir: str | None = None) -> list[float]:
+  """Seconds per decode step (one value per repeat) of the jitted plain loop (with a host tier when given). The
+  state is donated to the loop, so every repeat starts from the previous one's state rewound; with `trace_dir`
+  one more run is traced with jax.profiler (a perfetto trace, untimed)."""
+  import contextlib
+
   import jax
   import jax.numpy as jnp
 
@@ -101,16 +93,18 @@ def time_steps(params, cfg, ring, steps: int, repeats: int, host=None) -> list[f
   base_len = int(ring.length)
   out = []
   ls = None
-  for r in range(repeats + 1):
+  for r in range(repeats + 1 + bool(trace_dir)):
     st = (api.ModelState(ring, host=host) if ls is None
           else ls.model.replace(ring=ls.model.ring.rewind(base_len)))
     ls = LoopState(st, jnp.zeros((steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1), jax.random.PRNGKey(0),
                    jnp.zeros((), bool))
     jax.block_until_ready(ls)
-    t0 = time.perf_counter()
-    ls = decode_loop(params, ls, jnp.int32(steps + 1), jnp.int32(-1), **kw)
-    jax.block_until_ready(ls)
-    if r:                                       # r == 0 compiles
+    traced = trace_dir and r == repeats + 1
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True) if traced else contextlib.nullcontext():
+      t0 = time.perf_counter()
+      ls = decode_loop(params, ls, jnp.int32(steps + 1), jnp.int32(-1), **kw)
+      jax.block_until_ready(ls)
+    if r and not traced:                        # r == 0 compiles
       out.append((time.perf_counter() - t0) / steps)
     ring = None
   return out
@@ -160,16 +154,13 @@ def main(argv):
         ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)),
                          depth, wrap=host_cap is not None)
         host = fill_host(ring, depth, host_cap) if host_cap else None
-        ts = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host)
+        tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}") if FLAGS.profile else None
+        ts = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir)
       except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
         print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
         continue
       finally:
         attention.DEFAULT_GPU_IMPL = default_gpu
-      if FLAGS.profile:
-        tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}")
-        with jax.profiler.trace(tdir, create_perfetto_trace=True):
-          time_steps(p, cfg, ring, FLAGS.steps, 0, host)
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,

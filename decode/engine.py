@@ -99,16 +99,14 @@ def request_params(model, gen: GenConfig) -> dict:
   return placed[1][kind]
 
 
-def _store_on_host(params, cfg: ModelConfig) -> bool:
-  """Whether the routed experts of `params` live outside device memory (a placed store)."""
+def commit_for_store(tree, params, cfg: ModelConfig):
+  """`tree` with every uncommitted array committed to the first device when the routed experts of `params` live
+  outside device memory (a placed store), else `tree` itself. A jitted call with committed inputs (the placed
+  store) returns committed outputs, so its other inputs must be committed up front or the next call, fed those
+  outputs, compiles again. Committed arrays (e.g. a host tier in pinned host memory) stay where they are."""
   from decode import expert_cache as xc
-  return any(k != "device" for ks in xc.store_kinds(params, cfg).values() for k in ks)
-
-
-def _commit(tree):
-  """Every uncommitted array of `tree` committed to the first device (committed ones, e.g. a host tier in pinned
-  host memory, stay where they are). With a placed store (committed arrays) among a jitted call's inputs its
-  outputs come back committed: committing its other inputs up front keeps the second call from compiling again."""
+  if all(k == "device" for ks in xc.store_kinds(params, cfg).values() for k in ks):
+    return tree
   dev = jax.devices()[0]
   return jax.tree.map(lambda x: jax.device_put(x, dev) if isinstance(x, jax.Array) and not x.committed else x, tree)
 
@@ -173,8 +171,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   host = max_ctx + slack if fixed and max_ctx + slack > cap else None
   params = model.params if params is None else params
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=host, params=params)
-  if _store_on_host(params, model.cfg):
-    state = _commit(state)           # the prefill chunks share one compile (see _commit)
+  state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
   window = state.ring.window
   chunk = min(PREFILL_CHUNK, window) if host else PREFILL_CHUNK
   logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk)
@@ -238,8 +235,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   else:
     ls = LoopState(state, jnp.zeros(_buffer_size(n), jnp.int32).at[0].set(first), jnp.ones((), jnp.int32), first,
                    key, first == eos)
-    if _store_on_host(params, cfg):
-      ls = _commit(ls)               # else the compile call's committed outputs make the timed call compile again
+    ls = commit_for_store(ls, params, cfg)       # else the timed call after the compile call compiles again
     kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p)
     ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # compile (zero iterations)
     jax.block_until_ready(ls)

@@ -37,7 +37,7 @@ import numpy as np
 from flax import struct
 
 from decode import drafters
-from decode.engine import (GenConfig, GenResult, RequestError, _commit, _store_on_host, cache_stats, request_params,
+from decode.engine import (GenConfig, GenResult, RequestError, cache_stats, commit_for_store, request_params,
                            start_request)
 from decode.sampling import sample, target_probs
 from model import api
@@ -235,8 +235,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   s = SpecState(state, hist, jnp.int32(T + 1), jnp.int32(T), pend_h, pend_t, jnp.int32(1), key,
                 jnp.asarray(int(first) == eos), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), jnp.int32(0))
   kwargs = dict(cfg=cfg, k=k, drafter=drafter, temperature=gen.temperature, top_p=gen.top_p)
-  if _store_on_host(params, cfg):
-    s, replay = _commit((s, replay))            # else the compile call's committed outputs force a second compile
+  s, replay = commit_for_store((s, replay), params, cfg)   # else the timed call after the compile call compiles again
   if eager:
     rnd = jax.jit(functools.partial(spec_round, **kwargs))
     t1 = time.perf_counter()

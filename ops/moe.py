@@ -111,7 +111,8 @@ def _expert_fn(w, n_experts, predequantize):
 
 
 def tile_layout(ids_TK, n_experts: int, M: int, G: int = 1):
-  """Row tiles of the routed pairs, sorted by expert: (NT, tile_e [NT], row_tok [NT*M], row_pair [NT*M]).
+  """Row tiles of the routed pairs, sorted by expert: (NT, tile_e [NT], row_tok [NT*M], row_pair [NT*M], n_used),
+  n_used (int32 scalar) the tiles that hold a pair: tiles n_used..NT-1 are all padding.
 
   Pair p = t*K + k. Expert e owns ceil(count_e / M) consecutive tiles; its j-th sorted pair sits in row
   tile_start[e] * M + j. NT = (P + min(E, P) * (M - 1)) // M rounded up to a multiple of G is a static bound for
@@ -134,7 +135,7 @@ def tile_layout(ids_TK, n_experts: int, M: int, G: int = 1):
   # expert of tile i: the number of experts whose tiles end at or before i (E past the last: clamped)
   tile_e = jnp.minimum(jnp.sum(tile_end[None, :] <= jnp.arange(NT, dtype=jnp.int32)[:, None], axis=1,
                                dtype=jnp.int32), E - 1)
-  return NT, tile_e, row_tok, row_pair
+  return NT, tile_e, row_tok, row_pair, tile_end[-1]
 
 
 def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_tile, dequant_budget,
@@ -145,7 +146,7 @@ def _moe_grouped_tiles(x_TD, ids_TK, w_TK, gate, up, down, n_experts, rows_per_t
   M = int(rows_per_tile or GROUPED_ROWS_PER_TILE or grouped_tile_rows(P, E))
   G = int(tiles_per_step or GROUPED_TILES_PER_STEP or grouped_tiles_per_step())
   x = x_TD.astype(jnp.float32)
-  NT, tile_e, row_tok, row_pair = tile_layout(ids_TK, E, M, G)
+  NT, tile_e, row_tok, row_pair, _ = tile_layout(ids_TK, E, M, G)
 
   pre = 4 * E * 3 * F * D <= dequant_budget
   gate_e, up_e, down_e = (_expert_fn(w, E, pre) for w in (gate, up, down))

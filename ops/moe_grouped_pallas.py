@@ -98,8 +98,8 @@ def _grouped(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, E, 
   T, K = ids_TK.shape
   P = T * K
   cg, cd = dict(cg), dict(cd)
-  NT, tile_e, row_tok, row_pair = tile_layout(ids_TK.astype(I32), E, M_ROWS)
-  n_real = jnp.sum((jnp.zeros((E,), I32).at[ids_TK.reshape(-1)].add(1) + M_ROWS - 1) // M_ROWS).reshape(1)
+  NT, tile_e, row_tok, row_pair, n_used = tile_layout(ids_TK.astype(I32), E, M_ROWS)
+  n_real = n_used.reshape(1)
   nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
   xv = qp.x_view(x_TD.astype(F32)[row_tok], gq)                                # [NT*M, nbD, *x layout]
   xt = xv.reshape(NT, M_ROWS, *xv.shape[1:])
