@@ -280,14 +280,17 @@ def main(argv):
   with open(FLAGS.cells, "a") as out:
     for arm in tqdm(arms, desc="cells", unit="arm", file=sys.stderr):
       try:
+        t0 = time.time()
         run_cell(model, arm, seed=-1, max_new=min(FLAGS.max_new_tokens, 16))          # compile
+        compile_s = time.time() - t0
+        print(f"arm {arm.name}: first (compiling) run {compile_s:.1f} s", file=sys.stderr)
         for seed in range(FLAGS.seeds):
           t0 = time.time()
           st = run_cell(model, arm, seed, FLAGS.max_new_tokens)
           rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
                  "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
                  "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0, "stats": st}
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0, "first_run_s": compile_s, "stats": st}
           records.append(rec)
           out.write(json.dumps(rec) + "\n")
           out.flush()

@@ -78,10 +78,12 @@ def fill_host(ring, depth: int, capacity: int, seed: int = 1):
   return place_on_host(_random_kv(HostTier.like(ring, capacity), max(0, depth - ring.window), seed))
 
 
-def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir: str | None = None) -> list[float]:
-  """Seconds per decode step (one value per repeat) of the jitted plain loop (with a host tier when given). The
-  state is donated to the loop, so every repeat starts from the previous one's state rewound; with `trace_dir`
-  one more run is traced with jax.profiler (a perfetto trace, untimed)."""
+def time_steps(params, cfg, ring, steps: int, repeats: int, host=None,
+               trace_dir: str | None = None) -> tuple[list[float], float]:
+  """Time the jitted plain loop (with a host tier when given): (seconds per decode step, one value per repeat;
+  seconds of the untimed first run, i.e. compile + one run). The state is donated to the loop, so every repeat
+  starts from the previous one's state rewound; with `trace_dir` one more run is traced with jax.profiler (a
+  perfetto trace, untimed)."""
   import contextlib
 
   import jax
@@ -104,10 +106,12 @@ def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir
       t0 = time.perf_counter()
       ls = decode_loop(params, ls, jnp.int32(steps + 1), jnp.int32(-1), **kw)
       jax.block_until_ready(ls)
-    if r and not traced:                        # r == 0 compiles
+    if r == 0:                                  # r == 0 compiles
+      first_run_s = time.perf_counter() - t0
+    elif not traced:
       out.append((time.perf_counter() - t0) / steps)
     ring = None
-  return out
+  return out, first_run_s
 
 
 def main(argv):
@@ -155,7 +159,7 @@ def main(argv):
                          depth, wrap=host_cap is not None)
         host = fill_host(ring, depth, host_cap) if host_cap else None
         tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}") if FLAGS.profile else None
-        ts = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir)
+        ts, first_s = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir)
       except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
         print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
         continue
@@ -164,12 +168,14 @@ def main(argv):
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
-             "attn": at, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "commit": commit, "device": device,
+             "attn": at, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
+             "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
       f.write(json.dumps(rec) + "\n")
       f.flush()
       rows.append(rec)
-      print(f"R={R} depth={depth} {kn}/{at}{f' host {host_cap}' if host_cap else ''}: {ms:.3f} ms/step", file=sys.stderr)
+      print(f"R={R} depth={depth} {kn}/{at}{f' host {host_cap}' if host_cap else ''}: {ms:.3f} ms/step "
+            f"(first run {first_s:.1f} s)", file=sys.stderr)
   print(f"\n{FLAGS.preset} ({FLAGS.experts} experts, {FLAGS.other} other, {FLAGS.kv} KV), {device}, commit {commit}, "
         f"{FLAGS.steps} steps x {FLAGS.repeats}\n")
   print("| ring | host tier | depth | kernels | attn | ms/step | tok/s |\n| ---: | ---: | ---: | --- | --- | ---: | ---: |")

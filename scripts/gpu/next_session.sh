@@ -9,18 +9,18 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call that compile the same function
 filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
 case "${PART:-1}" in
-1)  # issue 3: split-K sweep at B = 1, (b) for the other types; issue 4: flatness on the new kernels, host tier
-  timeout 100 python3 -m ops.bench --out $OUT/kern --types IQ3_S,Q4_K --batches 1 --impls pallas --parts b \
-    --sweep_layers 48 --sweep '[{}, {"gateup": {"KS": 2}}, {"gateup": {"KS": 4}}, {"gateup": {"KS": 4, "BN": 32}},
-    {"gateup": {"KS": 8, "S": 1}, "down": {"BN": 32}}, {"gateup": {"BN": 8, "S": 4, "num_stages": 3},
-    "down": {"BN": 16, "num_stages": 3}}]' 2>&1 | filt | grep --line-buffered -E "^sweep|^\| " | tee $OUT/sweep.log
-  timeout 150 python3 -m ops.bench --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
-    --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
-  timeout 150 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
-    --cells 4096:1024:auto:pallas,49152:1024:auto:pallas,131072:1024:auto:pallas,131072:1024:ref:pallas 2>&1 | filt | tail -8
-  timeout 150 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
-    --cells 32768:1024:auto:pallas:139264,32768:32768:auto:pallas:139264,32768:65536:auto:pallas:139264,32768:131072:auto:pallas:139264 \
-    2>&1 | filt | tail -7                                                       # issue 4: depth with a host tier
+1)  # issue 4: R flatness at 1K on the current kernels, depth with a host tier; issue 7: where a step goes (trace),
+    # whole-loop command buffers, and what XLA autotuning costs in compile time
+  timeout 330 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
+    --profile /tmp/prof --cells 4096:1024:auto:pallas,49152:1024:auto:pallas,131072:1024:auto:pallas,\
+32768:1024:auto:pallas:139264,32768:32768:auto:pallas:139264,32768:131072:auto:pallas:139264 2>&1 | filt | tail -12
+  t=$(ls /tmp/prof/R4096-d1024-pallas-auto/plugins/profile/*/perfetto_trace.json.gz | head -1)
+  [ -n "$t" ] && python3 scripts/gpu/trace_summary.py $t --steps 32 | tee $OUT/prof_summary.md | head -40
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL timeout 110 python3 -m \
+    decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl --cells 4096:1024:auto:pallas \
+    2>&1 | filt | tail -2                                                      # launch overhead: whole-loop graphs
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 100 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 \
+    --repeats 3 --out $OUT/step.jsonl --cells 4096:1024:auto:pallas 2>&1 | filt | tail -2       # compile time
   ;;
 1b) # issue 7: Q4_K experts end to end; where a step's time goes; whole-loop command buffers; issue 6 store; checks
   timeout 130 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --experts Q4_K --steps 32 --repeats 3 \
