@@ -48,6 +48,8 @@ flags.DEFINE_list("expert_cache", ["all"], "expert caches: all | auto | N slots 
 flags.DEFINE_string("device_budget", None, "device memory budget of the plan (e.g. 24GiB; default: the device's)")
 flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert-cache eviction policy")
 flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
+flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's, 8 on a "
+                     "GPU, 2048 on CPU)")
 flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
                   "synthetic: a fixed arithmetic token pattern; text: the standard library's documentation topics "
                   "(pydoc_data), tokenized, from a seed-dependent offset (real text, for models that learned it)")
@@ -133,7 +135,7 @@ def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
     base = [7, 11, 13, 17, 19, 23, 29, 31]
     prompt = [(base[i % len(base)] * (i + 1 + seed)) % model.cfg.vocab_size for i in range(arm.depth)]
   gen = GenConfig(max_new_tokens=max_new, kv=arm.kv, kv_resident=None if arm.ring == "auto" else int(arm.ring),
-                  max_context=FLAGS.max_context, stop_at_eos=False, seed=seed)
+                  max_context=FLAGS.max_context, stop_at_eos=False, seed=seed, prefill_chunk=FLAGS.prefill_chunk)
   k = (arm.k or FLAGS.mtp_draft) if arm.draft != "none" else 0
   plan, slots = _plan(model, arm, gen, k)
   gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
@@ -289,6 +291,7 @@ def main(argv):
           st = run_cell(model, arm, seed, FLAGS.max_new_tokens)
           rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
                  "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
+                 "prefill_chunk": FLAGS.prefill_chunk,
                  "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0, "first_run_s": compile_s, "stats": st}
           records.append(rec)

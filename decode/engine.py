@@ -39,6 +39,7 @@ class GenConfig:
   stop_at_eos: bool = True
   expert_slots: int | None = None     # expert cache device slots (None: every expert resident)
   expert_policy: str = "lru"
+  prefill_chunk: int | None = None    # tokens per prefill call (None: engine.prefill_chunk's per-backend default)
   expert_store: str | None = None     # where the expert store lives with expert_slots: None picks
                                       # expert_cache.store_memory_kind() ("pinned_host" on a GPU that has it, else
                                       # "device"); "pinned_host" forces it (jax's CPU client has the kind: tests)
@@ -126,7 +127,18 @@ def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, s
   return state
 
 
-PREFILL_CHUNK = 2048
+PREFILL_CHUNK = 2048          # tokens per prefill call on CPU, and on any backend with GenConfig.prefill_chunk 0
+KERNEL_PREFILL_CHUNK = 8     # on a GPU: the decode kernels' batch (attention kernel T <= 8, MoE kernels B <= 16)
+
+
+def prefill_chunk(gen: GenConfig) -> int:
+  """Tokens per prefill call: gen.prefill_chunk, or by default KERNEL_PREFILL_CHUNK on a GPU (the prompt runs
+  through the Pallas decode kernels, 8 tokens a call: one small compile shared with every prompt length's
+  full chunks; measured on the H200 against one 1,024-token call in docs/PERF.md "Prefill") and PREFILL_CHUNK
+  elsewhere (CPU: one big call is fastest)."""
+  if gen.prefill_chunk:
+    return gen.prefill_chunk
+  return KERNEL_PREFILL_CHUNK if jax.default_backend() in ("gpu", "cuda", "rocm") else PREFILL_CHUNK
 
 
 def prefill_chunked(params, prompt: list[int], state: api.ModelState, cfg: ModelConfig, chunk: int):
@@ -173,7 +185,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=host, params=params)
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
   window = state.ring.window
-  chunk = min(PREFILL_CHUNK, window) if host else PREFILL_CHUNK
+  chunk = min(prefill_chunk(gen), window) if host else prefill_chunk(gen)
   logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk)
   return Started(state, logits, hidden, cap, grow=not fixed)
 

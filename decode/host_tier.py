@@ -6,7 +6,10 @@ no longer shows. Attention then runs over the ring (positions >= written - W) an
 < written - W) and merges the two exactly with their log-sum-exps (ops/attention.merge_lse).
 
 The tier is indexed by position (slot p), capacity C, same dtype and scales as the ring. On a GPU its arrays
-are placed in pinned host memory (`place_on_host`); on CPU it is ordinary memory.
+are placed in pinned host memory (`place_on_host`); on CPU it is ordinary memory unless a test forces the
+kind. Inside the jitted step a tier in host memory takes only dynamic slices and updates: attention moves the
+visited blocks (`tier_block` positions each, live positions only) to the device, and `evict` writes T rows
+back; the bytes crossing the bus per step are the live tier's K/V, the cost a host tier implies.
 """
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from decode.kv_ring import KVRing, layer_arrays
+from ops.attention import in_host_memory, on_device
+
+HOST_BLOCK = 4096          # positions per block of attention over the tier (tier_block)
 
 
 @struct.dataclass
@@ -34,29 +40,51 @@ class HostTier:
     return layer_arrays(self, i)
 
   def evict(self, ring: KVRing, layer: int, pos_T: jax.Array) -> "HostTier":
-    """Copy positions pos_T - W (those >= 0) of `layer` from the ring (before pos_T overwrite anything)."""
-    W, R = ring.window, ring.capacity
-    old = pos_T - W
-    ok = old >= 0
-    src = jnp.where(ok, old, 0) % R
-    dst = jnp.where(ok, old, self.capacity)            # out of bounds: dropped
+    """Copy positions pos_T - W (those >= 0) of `layer` from the ring (before pos_T overwrite anything).
+
+    pos_T are consecutive (a step, a verify pass, a prefill chunk). The tier's T rows from s = clip(pos_T[0] - W)
+    are read, the evicted positions among them replaced from the ring, and the T rows written back: one small
+    dynamic slice and one dynamic update per array, the only operations a tier in host memory takes inside
+    jit (no scatter, no arithmetic there)."""
+    W, R, C = ring.window, ring.capacity, self.capacity
+    T = pos_T.shape[0]
+    old0 = pos_T[0] - W
+    s = jnp.clip(old0, 0, C - T)
+    pos = s + jnp.arange(T, dtype=jnp.int32)
+    take = (pos >= old0) & (pos < old0 + T)             # evicted now (positions >= 0 by construction)
 
     def copy(tier, rng):
       if tier is None:
         return None
-      return tier[:layer] + (tier[layer].at[dst].set(rng[layer][src], mode="drop"),) + tier[layer + 1:]
+      a = tier[layer]
+      idx = (s,) + (0,) * (a.ndim - 1)
+      cur = on_device(jax.lax.dynamic_slice(a, idx, (T,) + a.shape[1:]))
+      new = jnp.where(take.reshape((T,) + (1,) * (a.ndim - 1)), rng[layer][pos % R], cur)
+      if in_host_memory(a):
+        new = jax.device_put(new, jax.memory.Space.Host)
+      return tier[:layer] + (jax.lax.dynamic_update_slice(a, new, idx),) + tier[layer + 1:]
 
     return self.replace(k=copy(self.k, ring.k), v=copy(self.v, ring.v), k_scale=copy(self.k_scale, ring.k_scale),
                         v_scale=copy(self.v_scale, ring.v_scale))
 
 
-def place_on_host(tier: HostTier) -> HostTier:
-  """Move the tier's arrays to pinned host memory where the backend has it (GPU); unchanged on CPU."""
+def tier_block(window: int, attn_block: int) -> int:
+  """Positions per block when attention visits the tier: HOST_BLOCK (few, large host -> device copies), at most
+  the ring's window (a block then never runs past the tier's capacity: see HostTier) and at least attn_block."""
+  b = HOST_BLOCK
+  while b > window:
+    b //= 2
+  return max(b, attn_block)
+
+
+def place_on_host(tier: HostTier, memory_kind: str | None = None) -> HostTier:
+  """Move the tier's arrays to pinned host memory where the backend has it (GPU); unchanged on CPU unless
+  `memory_kind` names a kind to place them in (tests run the host-memory path on CPU with "pinned_host")."""
   dev = jax.devices()[0]
-  if dev.platform == "cpu":
+  if dev.platform == "cpu" and memory_kind is None:
     return tier
   try:
-    sh = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    sh = jax.sharding.SingleDeviceSharding(dev, memory_kind=memory_kind or "pinned_host")
     return jax.tree_util.tree_map(lambda a: jax.device_put(a, sh), tier)
   except (ValueError, RuntimeError):
     return tier

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from decode.host_tier import tier_block
 from decode.kv_ring import KVRing
 from model.config import ModelConfig
 from ops import attention as attn_ops
@@ -94,8 +95,8 @@ class Attention(nn.Module):
         # the tier shows positions < written - window: clip the queries' causal bound to its last position
         hi = ring.length + T - ring.window - 1
         q_hi = jnp.minimum(pos_T, hi)
-        o2, lse2 = attn_ops.attention_with_lse(q, *host.layer(L), q_hi, host.capacity, None, block=attn_block,
-                                               scale=scale)
+        o2, lse2 = attn_ops.attention_with_lse(q, *host.layer(L), q_hi, host.capacity, None,
+                                               block=tier_block(ring.window, attn_block), scale=scale)
         lse2 = jnp.where((hi >= 0), lse2, -jnp.inf)
         o = attn_ops.merge_lse(o1.reshape(T, Hq, Dh), lse1, o2.reshape(T, Hq, Dh), lse2)
     return linear(o.reshape(T, Hq * Dh), wo), ring, host

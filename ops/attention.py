@@ -25,9 +25,23 @@ PREFILL_Q_CHUNK = 512          # queries per chunk of the prefill reference: [51
 
 
 def _rows(x, layer, start_slot, block):
-  """x[layer, start_slot:start_slot + block] of a [L, R, ...] array, one dynamic slice (no layer copy)."""
+  """x[layer, start_slot:start_slot + block] of a [L, R, ...] array (layer None: x[start_slot:...] of one layer
+  [R, ...]), one dynamic slice (no layer copy); a slice of an array in host memory (a host tier on a GPU) is
+  moved to the device, so only the visited blocks cross the bus."""
+  if layer is None:
+    return on_device(jax.lax.dynamic_slice(x, (start_slot,) + (0,) * (x.ndim - 1), (block,) + x.shape[1:]))
   idx = (layer, start_slot) + (0,) * (x.ndim - 2)
-  return jax.lax.dynamic_slice(x, idx, (1, block) + x.shape[2:])[0]
+  return on_device(jax.lax.dynamic_slice(x, idx, (1, block) + x.shape[2:])[0])
+
+
+def in_host_memory(x) -> bool:
+  """Whether traced value x lives in host memory (jax memory space Host: pinned_host arrays inside jit)."""
+  return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def on_device(x):
+  """x moved to device memory inside jit when it lives in host memory; x itself otherwise."""
+  return jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
 
 
 def _load_block(k_ring, v_ring, k_scale, v_scale, layer, start_slot, block):
@@ -41,10 +55,11 @@ def _load_block(k_ring, v_ring, k_scale, v_scale, layer, start_slot, block):
 
 
 def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, with_lse=False):
-  """The reference on a layer stack [L, R, Hkv, Dh] (scales [L, R, Hkv]) at layer `layer` (int32).
+  """The reference on a layer stack [L, R, Hkv, Dh] (scales [L, R, Hkv]) at layer `layer` (int32), or on one
+  layer [R, Hkv, Dh] (layer None).
   with_lse: also return the log-sum-exp of the scores [T, Hq] (-inf where no key was visible), for merging."""
   T, Hq, Dh = q_THD.shape
-  _, R, Hkv, _ = k_ring.shape
+  R, Hkv, _ = k_ring.shape[-3:]
   G = Hq // Hkv
   q = q_THD.astype(jnp.float32).reshape(T, Hkv, G, Dh) * scale
   oldest = jnp.maximum(length - R, 0)
@@ -95,12 +110,11 @@ def merge_lse(o1, lse1, o2, lse2):
 
 
 def _stack(k_ring, v_ring, k_scale, v_scale, layer):
-  """One layer [R, Hkv, Dh] (layer None) as a stack of one; a stack [L, R, Hkv, Dh] as is."""
+  """One layer [R, Hkv, Dh] (layer None, kept as is: no op touches an array that may live in host memory) or a
+  stack [L, R, Hkv, Dh] with its layer index as int32."""
   if layer is not None:
     return k_ring, v_ring, k_scale, v_scale, jnp.asarray(layer, jnp.int32)
-  if k_scale is not None:
-    k_scale, v_scale = k_scale[None], v_scale[None]
-  return k_ring[None], v_ring[None], k_scale, v_scale, jnp.zeros((), jnp.int32)
+  return k_ring, v_ring, k_scale, v_scale, None
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale"))

@@ -151,3 +151,25 @@ def test_host_tier_wrapping_ring_equals_full_cache(kv):
   # only the summation order differs (two partial softmaxes merged, chunked prefill): f32 measured 2.8e-7,
   # int8 1.4e-5 (same stored bytes; the larger int8 dynamic range amplifies the reordering)
   assert err < (1e-5 if kv == "f32" else 1e-4)
+
+
+def test_host_tier_in_host_memory_equals_device_tier(monkeypatch):
+  """The tier placed in pinned_host memory (as on a GPU; jax's CPU client has the kind) runs the jitted steps
+  through host-memory slices and updates only, and gives the same tokens and bitwise the same logits as the
+  tier in device memory."""
+  from decode import host_tier
+  from decode.engine import GenConfig, start_request
+  m = _model()
+  prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1024, 600)]
+  gen = GenConfig(max_new_tokens=8, kv="int8", kv_resident=256, max_context=1024)
+  dev = start_request(m, prompt, gen)
+  base = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  place = host_tier.place_on_host
+  monkeypatch.setattr(host_tier, "place_on_host", lambda t: place(t, memory_kind="pinned_host"))
+  host = start_request(m, prompt, gen)
+  assert {a.sharding.memory_kind for a in host.state.host.k} == {"pinned_host"}
+  np.testing.assert_array_equal(np.asarray(host.logits), np.asarray(dev.logits))
+  for a, b in zip(host.state.host.k + host.state.host.v, dev.state.host.k + dev.state.host.v):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  got = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  assert got.ids == base.ids

@@ -39,10 +39,17 @@ case "${PART:-1}" in
     timeout 250 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels $kn --drafts none \
       --depths 1024 --rings 4096 --max_new_tokens 16 --seeds 2 --cells $OUT/prefill.jsonl 2>&1 | filt | tail -4
   done ;;
-2)  # issue 5: round vs step for k = 1..4 with replay, and lookup (plain arm for the ratio)
-  timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas \
-    --drafts none,replay@1,replay@2,replay@4,lookup@3 --seeds 1 --max_new_tokens 64 --depths 1024 --rings 4096 \
-    --cells $OUT/rounds.jsonl 2>&1 | filt | tail -30 ;;
+2)  # issue 5: round vs step for k = 2, 4 with replay, and lookup (plain arm for the ratio); prefill through
+    # the decode kernels (engine.KERNEL_PREFILL_CHUNK, the GPU default) against call 2's 1,024-token call
+  timeout 570 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas \
+    --drafts none,replay@2,replay@4,lookup@3 --seeds 1 --max_new_tokens 64 --depths 1024 --rings 4096 \
+    --cells $OUT/rounds.jsonl 2>&1 | filt | tee $OUT/rounds.log | grep -v "^$" | tail -30 ;;
+2h) # issue 4: depth with a host tier in pinned host memory (slices and updates inside the jitted step)
+  timeout 250 python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 16 --repeats 3 --out $OUT/step.jsonl \
+    --cells 32768:1024:auto:pallas:139264,32768:32768:auto:pallas:139264,32768:65536:auto:pallas:139264,\
+32768:131072:auto:pallas:139264,4096:1024:auto:pallas 2>&1 | filt | tee $OUT/host.log | grep -v "^$" | tail -12
+  timeout 200 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas --drafts none \
+    --depths 1024 --rings 4096 --max_new_tokens 32 --seeds 2 --cells $OUT/prefill.jsonl 2>&1 | filt | tail -4 ;;
 3)  # issue 7 item 3: the seed's four arms on the GPU with the Pallas kernels (+ plain arms), 3 seeds
   timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
     --max_new_tokens 256 --seeds ${SEEDS:-2} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
