@@ -182,7 +182,10 @@ def _speedups(records: list[dict], arms: list[Arm], a: Arm) -> str:
     return "-"
   bm = rs[0]["stats"]["bytes_model"]
   tokens = 1 + statistics.median(r["stats"]["mean_accepted_len"] for r in rs)
-  model_x = tokens * bm["step_bytes"] / bm["round_bytes"]
+  # rounds without a draft (lookup without a match) are one plain step: weigh the round's bytes by the share
+  # of rounds that verified
+  verified = statistics.median(min(1.0, r["stats"]["drafts_proposed"][0] / max(r["stats"]["rounds"], 1)) for r in rs)
+  model_x = tokens * bm["step_bytes"] / (verified * bm["round_bytes"] + (1 - verified) * bm["step_bytes"])
   if not ps:
     return f"? (model {model_x:.2f}x)"
   x = statistics.median(r["stats"]["decode_tok_s"] for r in rs) / statistics.median(r["stats"]["decode_tok_s"] for r in ps)

@@ -144,7 +144,16 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
   valid = d >= 0
   d = jnp.where(valid, d, 0)
   # verify: the target on [t_P, d_1 .. d_k] at positions P .. P + k
-  logits, hidden, model = api.forward(params, jnp.concatenate([tok[None], d]), model, cfg=cfg)
+  verify = lambda m: api.forward(params, jnp.concatenate([tok[None], d]), m, cfg=cfg)  # noqa: E731
+  if drafter == "mtp":
+    logits, hidden, model = verify(model)
+  else:
+    # a deterministic drafter may have nothing to propose (lookup without a match, replay past its end): then
+    # the round is one plain step (T = 1), its outputs repeated to the round's shapes (only row 0 is read)
+    def step(m):
+      lg, h, m = api.forward(params, tok[None], m, cfg=cfg)
+      return jnp.broadcast_to(lg, (k + 1,) + lg.shape[1:]), jnp.broadcast_to(h, (k + 1,) + h.shape[1:]), m
+    logits, hidden, model = jax.lax.cond(valid[0], verify, step, model)
   if temperature == 0.0:
     n_acc, nxt = verify_greedy(logits, d, valid)
   else:

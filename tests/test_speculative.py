@@ -53,7 +53,8 @@ def test_greedy_speculative_equals_plain_greedy(drafter, k, kv, cap):
     assert r.stats["drafts_accepted"] == r.stats["drafts_proposed"]          # 100 % acceptance
     assert r.stats["rounds"] == -(-(N_NEW - 1) // (k + 1))
   if drafter == "lookup":
-    assert sum(r.stats["drafts_proposed"]) > 0
+    # both kinds of round ran: verify passes (drafts proposed) and draftless rounds (one plain step each)
+    assert 0 < r.stats["drafts_proposed"][0] < r.stats["rounds"]
 
 
 @pytest.mark.parametrize("drafter", ["mtp", "lookup"])
