@@ -101,10 +101,11 @@ def _in_memory_model(name: str, experts: str):
   from configs.vocab import load_vocab
   from model.loader import LoadedModel
   from model.tokenizer import Tokenizer
+  from model.api import fuse_qkv
   from model.writer import pad_vocab, quant_policy, random_params
   cfg = preset(name)
   t0 = time.time()
-  params = random_params(cfg, types=quant_policy(experts, "Q8_0"), progress=True)
+  params = fuse_qkv(random_params(cfg, types=quant_policy(experts, "Q8_0"), progress=True))   # as load_model
   tok = Tokenizer.from_metadata(pad_vocab(load_vocab(1024), cfg.vocab_size).metadata())
   return LoadedModel(cfg, params, tok, f"in-memory:{name}", False, time.time() - t0)
 

@@ -36,6 +36,8 @@ flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
+flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
+                  "--nofuse_qkv runs three")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
@@ -128,6 +130,9 @@ def main(argv):
   cfg = preset(FLAGS.preset)
   t0 = time.time()
   params = random_params(cfg, types=quant_policy(FLAGS.experts, FLAGS.other), progress=True)
+  if FLAGS.fuse_qkv:
+    from model.api import fuse_qkv
+    params = fuse_qkv(params)                   # as model.loader.load_model
   print(f"params built in {time.time() - t0:.0f} s", file=sys.stderr)
   from decode.provenance import commit as _commit, device as _device
   commit, device = _commit(), _device()
@@ -168,7 +173,7 @@ def main(argv):
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
-             "attn": at, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
+             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
       f.write(json.dumps(rec) + "\n")

@@ -157,13 +157,14 @@ def _memory_kind(x) -> str:
 
 def place_store(params: dict, cfg: ModelConfig, kind: str | None = None) -> dict:
   """The params with every MoE block's routed-expert tensors (the store) in memory kind `kind` (default:
-  `store_memory_kind()`); the same object when that is "device". Other params stay where they are.
+  `store_memory_kind()`); the same object when the store is there already. Other params stay where they are.
+  Moving a store back to "device" (e.g. `--expert_cache auto` found that every expert fits) works the same way.
 
   With the store in pinned host memory the cached decode path reads it only through `ensure` (missed rows move to
   the device); a step that reads the experts directly (T * top_k > n_experts, e.g. a prefill chunk) must first
   move them to the device (`to_device`)."""
   kind = kind or store_memory_kind()
-  if kind == "device":
+  if all(k == kind for ks in store_kinds(params, cfg).values() for k in ks):
     return params
   dev = jax.devices()[0]
   sh = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
@@ -178,6 +179,23 @@ def place_store(params: dict, cfg: ModelConfig, kind: str | None = None) -> dict
     for n in ("gate_exps", "up_exps", "down_exps"):
       ffn[n] = _rebuild(ffn[n], tuple(jax.device_put(p, sh) for p in _planes(ffn[n])))
   return out
+
+
+def is_store_path(path: tuple) -> bool:
+  """Whether a params path (tuple of keys) names a routed-expert tensor, i.e. part of the store."""
+  return len(path) >= 2 and path[-2] == "ffn" and path[-1] in ("gate_exps", "up_exps", "down_exps")
+
+
+def placer(kind: str):
+  """A `load_params` hook that puts each routed-expert tensor in memory kind `kind` as soon as it is built, so
+  device memory never holds the whole store while a model loads (a model larger than the device loads)."""
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+  def place(path: tuple, param):
+    if kind == "device" or not is_store_path(path):
+      return param
+    return _rebuild(param, tuple(jax.device_put(p, sh) for p in _planes(param)))
+  return place
 
 
 def store_kinds(params: dict, cfg: ModelConfig) -> dict[str, list[str]]:

@@ -77,7 +77,13 @@ def run() -> dict:
   from ops.qtensor import with_kernels
   try:
     path = FLAGS.gguf or default_model_path()
-    model = load_model(path, FLAGS.cache_dir)
+    # an expert cache (auto or N slots) loads the routed experts straight into the store's memory (pinned host on
+    # a GPU): device memory never holds them all, so the plan's free memory is real
+    store = None
+    if FLAGS.expert_cache != "all":
+      from decode.expert_cache import store_memory_kind
+      store = store_memory_kind()
+    model = load_model(path, FLAGS.cache_dir, expert_store=store)
     model.params = with_kernels(model.params, _kernels())
     ids = _prompt_ids(model.tokenizer)
     kvr = None if FLAGS.kv_resident == "auto" else _int_flag("kv_resident", FLAGS.kv_resident)
@@ -89,6 +95,9 @@ def run() -> dict:
     if slots is not None:
       import dataclasses
       gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
+    elif store not in (None, "device"):             # auto found that every expert fits: back to the device
+      from decode.expert_cache import place_store
+      model.params = place_store(model.params, model.cfg, "device")
     if FLAGS.plan:
       print(plan.table(), file=sys.stderr if FLAGS.json else sys.stdout)
     if drafter == "none":

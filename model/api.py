@@ -55,6 +55,29 @@ def init_state(cfg: ModelConfig, capacity: int, kv: str = "bf16", mtp_window: in
   return ModelState(ring, mtp)
 
 
+def fuse_qkv(params: dict) -> dict:
+  """The params with each attention's wq, wk, wv (and bq, bk, bv) stacked into one `wqkv` (`bqkv`) where they
+  share a type (ops.qtensor.concat_rows): one matmul and one kernel launch instead of three, and the small k and
+  v projections (N = Hkv * Dh rows) no longer run on a few programs each. The bytes are the file's; every output
+  row is computed as before. Applied by model.loader.load_model; unfused params run as well."""
+  from ops.qtensor import concat_rows
+
+  def walk(node):
+    if not isinstance(node, dict):
+      return node
+    node = {k: walk(v) for k, v in node.items()}
+    if all(n in node for n in ("wq", "wk", "wv")):
+      w = concat_rows([node["wq"], node["wk"], node["wv"]])
+      if w is not None:
+        for n in ("wq", "wk", "wv"):
+          del node[n]
+        node["wqkv"] = w
+        if all(n in node for n in ("bq", "bk", "bv")):
+          node["bqkv"] = jnp.concatenate([node.pop("bq"), node.pop("bk"), node.pop("bv")])
+    return node
+  return walk(params)
+
+
 def trunk_params(params: dict) -> dict:
   return {k: v for k, v in params.items() if not k.startswith("mtp_")}
 

@@ -286,8 +286,10 @@ def _to_param(qtype: str, data: np.ndarray, shape: tuple[int, ...]):
   return QTensor.from_gguf(data, qtype, shape[-1])
 
 
-def load_params(f: GGUFFile, c: ModelConfig) -> dict:
-  """The params pytree (nested dicts of arrays / QTensors) for `c` from file `f`."""
+def load_params(f: GGUFFile, c: ModelConfig, place=None) -> dict:
+  """The params pytree (nested dicts of arrays / QTensors) for `c` from file `f`; `place(path, param)`, when
+  given, is applied to each param as soon as it is built (e.g. decode.expert_cache.placer: the routed experts
+  go to host memory one tensor at a time)."""
   params: dict = {}
   for path, (name, shape) in tensor_map(c, f).items():
     qtype, data = f.tensor(name, shape)
@@ -296,16 +298,17 @@ def load_params(f: GGUFFile, c: ModelConfig) -> dict:
     node = params
     for p in path[:-1]:
       node = node.setdefault(p, {})
-    node[path[-1]] = _to_param(qtype, data, shape)
+    param = _to_param(qtype, data, shape)
+    node[path[-1]] = place(tuple(path), param) if place else param
   return params
 
 
-def load_gguf(path: str | os.PathLike):
-  """Read and validate a file: (ModelConfig, params, Tokenizer, GGUFFile)."""
+def load_gguf(path: str | os.PathLike, place=None):
+  """Read and validate a file: (ModelConfig, params, Tokenizer, GGUFFile); `place` as in load_params."""
   from model.tokenizer import Tokenizer
   f = GGUFFile(path)
   cfg = read_config(f)
-  params = load_params(f, cfg)
+  params = load_params(f, cfg, place)
   try:
     tok = Tokenizer.from_metadata(f.md)
   except ValueError as e:

@@ -9,6 +9,7 @@ from absl import logging
 
 from model import checkpoint
 from model.config import ModelConfig
+from model.api import fuse_qkv
 from model.gguf_io import load_gguf
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "params")
@@ -28,8 +29,13 @@ def _tokenizer_md(md: dict) -> dict:
   return {k: v for k, v in md.items() if k.startswith("tokenizer.")}
 
 
-def load_model(path: str, cache_dir: str | None = None) -> LoadedModel:
+def load_model(path: str, cache_dir: str | None = None, expert_store: str | None = None) -> LoadedModel:
   """Load `path`; with `cache_dir`, read the orbax entry if one exists, else parse GGUF and write the entry.
+
+  `expert_store` (a memory kind, e.g. "pinned_host"; None or "device": device memory) places the routed experts
+  there: from a GGUF file one tensor at a time as they are built, so the device never holds the whole store
+  (the expert cache's case: a model larger than the device); from the orbax cache after the restore.
+  Attention's q, k and v weights are fused into one (model.api.fuse_qkv); the cache stores them as in the file.
 
   >>> m = load_model(default_model_path())
   >>> m.cfg.arch, m.cfg.n_nextn
@@ -43,11 +49,18 @@ def load_model(path: str, cache_dir: str | None = None) -> LoadedModel:
     if got is not None:
       cfg, params, tok_md = got
       logging.info("loaded %s from cache %s", path, entry)
-      return LoadedModel(cfg, params, Tokenizer.from_metadata(tok_md), path, True, time.perf_counter() - t0)
-  cfg, params, tok, f = load_gguf(path)
+      if expert_store and expert_store != "device":
+        from decode.expert_cache import place_store
+        params = place_store(params, cfg, expert_store)
+      return LoadedModel(cfg, fuse_qkv(params), Tokenizer.from_metadata(tok_md), path, True, time.perf_counter() - t0)
+  place = None
+  if expert_store and expert_store != "device":
+    from decode.expert_cache import placer
+    place = placer(expert_store)
+  cfg, params, tok, f = load_gguf(path, place)
   if cache_dir:
     checkpoint.save(checkpoint.entry_dir(path, cache_dir), cfg, params, _tokenizer_md(f.md))
-  return LoadedModel(cfg, params, tok, path, False, time.perf_counter() - t0)
+  return LoadedModel(cfg, fuse_qkv(params), tok, path, False, time.perf_counter() - t0)
 
 
 def default_model_path() -> str:

@@ -62,17 +62,21 @@ class Attention(nn.Module):
   def __call__(self, x_TD, pos_T, ring: KVRing | None, attn_block: int, host=None):
     c = self.cfg
     D, Hq, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-    wq = _param(self, "wq", _init, (Hq * Dh, D))
-    wk = _param(self, "wk", _init, (Hkv * Dh, D))
-    wv = _param(self, "wv", _init, (Hkv * Dh, D))
     wo = _param(self, "wo", _init, (D, Hq * Dh))
-    bq = bk = bv = None
-    if c.qkv_bias:
-      bq, bk, bv = (_param(self, n, _zeros, (s,)) for n, s in (("bq", Hq * Dh), ("bk", Hkv * Dh), ("bv", Hkv * Dh)))
     T = x_TD.shape[0]
-    q = linear(x_TD, wq, bq).reshape(T, Hq, Dh)
-    k = linear(x_TD, wk, bk).reshape(T, Hkv, Dh)
-    v = linear(x_TD, wv, bv).reshape(T, Hkv, Dh)
+    if self.has_variable("params", "wqkv"):          # fused at load (model.api.fuse_qkv): one matmul, one launch
+      qkv = linear(x_TD, self.get_variable("params", "wqkv"),
+                   self.get_variable("params", "bqkv") if c.qkv_bias else None)
+      q, k, v = jnp.split(qkv, [Hq * Dh, (Hq + Hkv) * Dh], axis=-1)
+    else:
+      wq = _param(self, "wq", _init, (Hq * Dh, D))
+      wk = _param(self, "wk", _init, (Hkv * Dh, D))
+      wv = _param(self, "wv", _init, (Hkv * Dh, D))
+      bq = bk = bv = None
+      if c.qkv_bias:
+        bq, bk, bv = (_param(self, n, _zeros, (s,)) for n, s in (("bq", Hq * Dh), ("bk", Hkv * Dh), ("bv", Hkv * Dh)))
+      q, k, v = linear(x_TD, wq, bq), linear(x_TD, wk, bk), linear(x_TD, wv, bv)
+    q, k, v = q.reshape(T, Hq, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dh)
     if c.qk_norm:
       q = rms_norm(q, _param(self, "q_norm", _ones, (Dh,)), c.rms_eps)
       k = rms_norm(k, _param(self, "k_norm", _ones, (Dh,)), c.rms_eps)

@@ -70,6 +70,23 @@ class QTensor:
 KERNELS = ("xla", "pallas", "interpret")
 
 
+def concat_rows(ws):
+  """Weights [rows_i, n] of one type stacked along their rows into one [sum rows_i, n] (a QTensor's planes
+  concatenated along the rows axis: the same bytes, so every output row is computed as before), or None when
+  they do not share a type, n and kernel (or are not 2-D)."""
+  if all(isinstance(w, QTensor) for w in ws):
+    w0 = ws[0]
+    if any((w.qtype, w.n, w.kernel) != (w0.qtype, w0.n, w0.kernel) or len(w.shape) != 2 for w in ws):
+      return None
+    fields = repack.LAYOUTS[w0.qtype]
+    planes = tuple(jnp.concatenate([w.planes[j] for w in ws], axis=w0.planes[j].ndim - 2 - len(f.shape))
+                   for j, f in enumerate(fields))
+    return w0.replace(planes=planes)
+  if any(isinstance(w, QTensor) for w in ws) or len({(w.dtype, w.shape[1:]) for w in ws}) != 1 or ws[0].ndim != 2:
+    return None
+  return jnp.concatenate(ws, axis=0)
+
+
 def with_kernels(params, kernel: str):
   """The same params with every QTensor set to use `kernel` ("xla" | "pallas" | "interpret")."""
   if kernel not in KERNELS:

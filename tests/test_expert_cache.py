@@ -189,3 +189,31 @@ def test_engine_places_store_in_pinned_host(arch, kind, monkeypatch):
   assert r.ids == base.ids and r.stats["acceptance"] == 1.0
   assert r.stats["expert_cache"]["store_memory_kind"] == "pinned_host"
   assert speculative.spec_loop._cache_size() - n_spec <= 1
+
+
+@pytest.mark.skipif("pinned_host" not in {mem.kind for mem in jax.devices()[0].addressable_memories()},
+                    reason="no pinned_host memory kind on this backend")
+def test_loader_puts_the_store_in_host_memory_as_it_loads():
+  """load_model(expert_store="pinned_host") places each routed-expert tensor as it is built: every store array
+  is in pinned host memory, nothing else moved, no device-memory copy of the store stays alive, and decoding
+  with N slots gives the tokens of every expert resident. place_store(..., "device") brings the store back."""
+  import gc
+  path = model_path("qwen3moe", "IQ3_S")
+  base = _m("qwen3moe", "IQ3_S")
+  gc.collect()
+  dev_bytes = lambda: sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind in (None, "device"))  # noqa: E731
+  before = dev_bytes()
+  m = load_model(path, expert_store="pinned_host")
+  assert {k for ks in xc.store_kinds(m.params, m.cfg).values() for k in ks} == {"pinned_host"}
+  store = sum(p.nbytes for i in xc.expert_blocks(m.cfg) for n in ("gate_exps", "up_exps", "down_exps")
+              for p in xc._planes(xc._block_ffn(m.params, m.cfg, i)[n]))
+  total = sum(x.nbytes for x in jax.tree.leaves(m.params))
+  gc.collect()
+  assert dev_bytes() - before == total - store                   # the device holds the model minus its store
+  prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1000, 30)]
+  want = generate(base, prompt, max_new_tokens=8, stop_at_eos=False).ids
+  got = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, expert_slots=m.cfg.top_k)
+  assert got.ids == want and got.stats["expert_cache"]["store_memory_kind"] == "pinned_host"
+  back = xc.place_store(m.params, m.cfg, "device")
+  assert {k for ks in xc.store_kinds(back, m.cfg).values() for k in ks} == {"device"}
+  assert generate(dataclasses.replace(m, params=back), prompt, max_new_tokens=8, stop_at_eos=False).ids == want
