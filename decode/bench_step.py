@@ -36,6 +36,8 @@ flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
+flags.DEFINE_bool("host_skip_idle", False, "host tier: evict under one lax.cond per step that skips it while "
+                  "no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
 flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
                   "--nofuse_qkv runs three")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
@@ -127,6 +129,8 @@ def main(argv):
   from model.writer import quant_policy, random_params
   from ops import attention
   from ops.qtensor import with_kernels
+  from decode import host_tier
+  host_tier.SKIP_IDLE_EVICT = FLAGS.host_skip_idle      # read at trace time
   cfg = preset(FLAGS.preset)
   t0 = time.time()
   params = random_params(cfg, types=quant_policy(FLAGS.experts, FLAGS.other), progress=True)
@@ -173,7 +177,9 @@ def main(argv):
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
-             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "ms_per_step": ms, "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
+             "attn": at, "fuse_qkv": FLAGS.fuse_qkv,
+             "host_skip_idle": FLAGS.host_skip_idle if host_cap else None, "ms_per_step": ms,
+             "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
       f.write(json.dumps(rec) + "\n")

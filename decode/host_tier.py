@@ -21,6 +21,9 @@ from decode.kv_ring import KVRing, layer_arrays
 from ops.attention import in_host_memory, on_device
 
 HOST_BLOCK = 4096          # positions per block of attention over the tier (tier_block)
+# Evict under one lax.cond per step (evict_leaving). Off by default until it has run on a GPU (a conditional
+# over arrays in pinned host memory); the unconditional copy ran there (commit d45edc3). Tested on CPU both ways.
+SKIP_IDLE_EVICT = False
 
 
 @struct.dataclass
@@ -66,6 +69,21 @@ class HostTier:
 
     return self.replace(k=copy(self.k, ring.k), v=copy(self.v, ring.v), k_scale=copy(self.k_scale, ring.k_scale),
                         v_scale=copy(self.v_scale, ring.v_scale))
+
+
+def evict_leaving(tier: HostTier, ring: KVRing, pos_T: jax.Array) -> HostTier:
+  """`evict` for every layer before a forward pass of positions pos_T writes the ring (each layer's ring is
+  unchanged until then, so this equals evicting layer by layer before each write). With SKIP_IDLE_EVICT the
+  whole copy sits under one lax.cond that runs only when a position leaves the window (pos_T[-1] >= W), so
+  shallow requests never touch host memory; measured on the GPU without the cond (commit d45edc3): 11 ms per
+  step of small host round trips at depth 1K (docs/PERF.md)."""
+  def run(t):
+    for layer in range(len(t.k)):
+      t = t.evict(ring, layer, pos_T)
+    return t
+  if not SKIP_IDLE_EVICT:
+    return run(tier)
+  return jax.lax.cond(pos_T[-1] >= ring.window, run, lambda t: t, tier)
 
 
 def tier_block(window: int, attn_block: int) -> int:

@@ -91,10 +91,14 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only:
   """Run the trunk on T new tokens at positions ring.length + [0, T): (logits, hidden, state)."""
   ring = state.ring
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
+  host = state.host
+  if host is not None:            # positions leaving the ring's window move to the tier before any layer writes
+    from decode.host_tier import evict_leaving
+    host = evict_leaving(host, ring, pos)
   with jax.default_matmul_precision(MATMUL_PRECISION):
     logits, hidden, ring, experts, host = Decoder(cfg).apply(
         {"params": trunk_params(params)}, tokens_T.astype(jnp.int32), pos, ring, _block(ring, attn_block), last_only,
-        state.experts, state.host)
+        state.experts, host)
   return logits, hidden, state.replace(ring=ring.advance(tokens_T.shape[0]), experts=experts, host=host)
 
 

@@ -87,8 +87,6 @@ class Attention(nn.Module):
       o = _causal_attention(q, k, v.astype(jnp.float32), scale)
     else:
       L = self.ring_layer
-      if host is not None:
-        host = host.evict(ring, L, pos_T)          # positions leaving the ring's window, before any overwrite
       ring = ring.write(L, pos_T, k, v)
       # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
       length = ring.length + T + ring.scratch

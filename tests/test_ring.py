@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -153,12 +154,16 @@ def test_host_tier_wrapping_ring_equals_full_cache(kv):
   assert err < (1e-5 if kv == "f32" else 1e-4)
 
 
-def test_host_tier_in_host_memory_equals_device_tier(monkeypatch):
+@pytest.mark.parametrize("skip_idle", [False, True])
+def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_idle):
   """The tier placed in pinned_host memory (as on a GPU; jax's CPU client has the kind) runs the jitted steps
   through host-memory slices and updates only, and gives the same tokens and bitwise the same logits as the
-  tier in device memory."""
+  tier in device memory; with and without the idle-evict cond (host_tier.SKIP_IDLE_EVICT)."""
   from decode import host_tier
   from decode.engine import GenConfig, start_request
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_EVICT", skip_idle)   # read at trace time: drop compiled steps
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
   m = _model()
   prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1024, 600)]
   gen = GenConfig(max_new_tokens=8, kv="int8", kv_resident=256, max_context=1024)

@@ -120,3 +120,21 @@ def test_sampled_mtp_runs_and_respects_the_budget():
   r = speculative_generate(_model(), _prompt(), drafter="mtp", k=2, max_new_tokens=20, stop_at_eos=False,
                            kv="bf16", kv_resident=1024, temperature=0.8, top_p=0.9, seed=5)
   assert len(r.ids) == 20 and all(0 <= t < _model().cfg.vocab_size for t in r.ids)
+
+
+@pytest.mark.parametrize("drafter,skip_idle", [("mtp", False), ("lookup", True)])
+def test_greedy_speculative_with_a_host_tier_equals_plain_greedy(drafter, skip_idle, monkeypatch, request):
+  """A ring of 256 under max_context 1024 (the seed experiment's setting in small): a 600-token prompt and
+  verify passes that move positions into the host tier as they leave the window; the tokens of plain greedy
+  decoding on one ring that holds everything, and the same acceptance as speculative decoding on that ring."""
+  from decode import host_tier
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_EVICT", skip_idle)   # read at trace time: drop compiled steps
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
+  prompt = _prompt(600, seed=4)
+  plain = generate(_model(), prompt, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", kv_resident=2048).ids
+  kw = dict(drafter=drafter, k=3, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", mtp_window=256)
+  tier = speculative_generate(_model(), prompt, kv_resident=256, max_context=1024, **kw)
+  big = speculative_generate(_model(), prompt, kv_resident=2048, **kw)
+  assert tier.ids == plain
+  assert tier.stats["drafts_accepted"] == big.stats["drafts_accepted"]
