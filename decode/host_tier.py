@@ -7,9 +7,11 @@ no longer shows. Attention then runs over the ring (positions >= written - W) an
 
 The tier is indexed by position (slot p), capacity C, same dtype and scales as the ring. On a GPU its arrays
 are placed in pinned host memory (`place_on_host`); on CPU it is ordinary memory unless a test forces the
-kind. Inside the jitted step a tier in host memory takes only dynamic slices and updates: attention moves the
-visited blocks (`tier_block` positions each, live positions only) to the device, and `evict` writes T rows
-back; the bytes crossing the bus per step are the live tier's K/V, the cost a host tier implies.
+kind. Inside the jitted step a tier in host memory takes only dynamic slices and updates: attention slices the
+visited blocks (`tier_block` positions each, live positions only) and moves them to the device, and `evict`
+writes T rows back. Measured on the GPU (docs/PERF.md, "Decode step against ring capacity and depth"): the step
+runs and is exact, but its time fits XLA moving a layer's whole tier array once a block is visited (~230 ms
+per step at C = 139,264), not the visited blocks; the fix is open.
 """
 from __future__ import annotations
 
