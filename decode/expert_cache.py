@@ -142,10 +142,8 @@ def store_memory_kind(dev=None) -> str:
   """Where the expert store should live on `dev` (default: the first device): "pinned_host" when it is a GPU
   exposing that memory kind (misses then cross host -> device inside the step), else "device", where placing the
   store is a no-op (on CPU host memory is the device's memory: nothing to move)."""
-  dev = dev or jax.devices()[0]
-  if dev.platform != "gpu":
-    return "device"
-  return "pinned_host" if "pinned_host" in {m.kind for m in dev.addressable_memories()} else "device"
+  from decode.host_tier import host_memory_kind      # one rule for the host tier and the expert store
+  return host_memory_kind(dev) or "device"
 
 
 def _memory_kind(x) -> str:

@@ -97,14 +97,21 @@ def tier_block(window: int, attn_block: int) -> int:
   return max(b, attn_block)
 
 
+def host_memory_kind(dev=None) -> str | None:
+  """The memory kind that host-side state (the host tier, the expert store) lives in on `dev` (default: the
+  first device): "pinned_host" on a GPU that exposes it, else None (on CPU host memory is the device's)."""
+  dev = dev or jax.devices()[0]
+  if dev.platform != "gpu":
+    return None
+  return "pinned_host" if "pinned_host" in {m.kind for m in dev.addressable_memories()} else None
+
+
 def place_on_host(tier: HostTier, memory_kind: str | None = None) -> HostTier:
-  """Move the tier's arrays to pinned host memory where the backend has it (GPU); unchanged on CPU unless
-  `memory_kind` names a kind to place them in (tests run the host-memory path on CPU with "pinned_host")."""
-  dev = jax.devices()[0]
-  if dev.platform == "cpu" and memory_kind is None:
+  """Move the tier's arrays to `memory_kind`, by default host_memory_kind() (pinned host memory on a GPU;
+  unchanged where there is none, e.g. on CPU, whose memory is the host's). Tests pass "pinned_host" to run the
+  host-memory path on CPU (jax's CPU client has the kind)."""
+  kind = memory_kind or host_memory_kind()
+  if kind is None:
     return tier
-  try:
-    sh = jax.sharding.SingleDeviceSharding(dev, memory_kind=memory_kind or "pinned_host")
-    return jax.tree_util.tree_map(lambda a: jax.device_put(a, sh), tier)
-  except (ValueError, RuntimeError):
-    return tier
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+  return jax.tree_util.tree_map(lambda a: jax.device_put(a, sh), tier)
