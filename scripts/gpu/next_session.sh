@@ -20,6 +20,11 @@ case "${PART:-1}" in
     timeout 100 $S30 --steps 16 $sk --cells 32768:1024:auto:pallas:139264,32768:65536:auto:pallas:139264 2>&1 \
       | filt | tee -a $OUT/host.log | grep -v "^$" | tail -4
   done
+  # where the tier's bytes move: the optimized HLO of a host-tier step (S(5) = host memory space)
+  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" timeout 90 \
+    $S30 --steps 4 --repeats 1 --out /tmp/x.jsonl --cells 32768:65536:auto:pallas:139264 2>&1 | filt | tail -2
+  f=$(ls -S /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -1)
+  [ -n "$f" ] && grep -E "S\(5\)" $f | grep -vE "^\s*ROOT tuple|parameter\(" | cut -c1-300 | head -200 > $OUT/tier_hlo.txt
   for c in 4 16; do
     timeout 90 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas --drafts none \
       --depths 1024 --rings 4096 --max_new_tokens 32 --seeds 2 --prefill_chunk $c --cells $OUT/prefill.jsonl \
