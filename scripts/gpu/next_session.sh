@@ -12,7 +12,7 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call th
 filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
 S30="python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl"
 case "${PART:-1}" in
-1)  # issue 7: fused q/k/v A/B, Q4_K experts, prefill chunk sweep; issue 4: host tier with the idle-evict cond
+1)  # issue 7: fused q/k/v A/B, Q4_K experts; issue 4: host tier with and without the idle-evict cond, its HLO
   timeout 110 $S30 --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4          # fused
   timeout 110 $S30 --nofuse_qkv --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4
   timeout 110 $S30 --experts Q4_K --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4
@@ -25,15 +25,17 @@ case "${PART:-1}" in
     $S30 --steps 4 --repeats 1 --out /tmp/x.jsonl --cells 32768:65536:auto:pallas:139264 2>&1 | filt | tail -2
   f=$(ls -S /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -1)
   [ -n "$f" ] && grep -E "S\(5\)" $f | grep -vE "^\s*ROOT tuple|parameter\(" | cut -c1-300 | head -200 > $OUT/tier_hlo.txt
+  ;;
+2)  # issue 5: k = 1 and 3 in one run with their plain arm, lookup with draftless rounds as plain steps; issue 7:
+    # prefill chunk 4 and 16 against the default 8 (16 runs the reference attention: the kernel takes T <= 8)
+  timeout 330 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas \
+    --drafts none,replay@1,replay@3,lookup@3 --seeds 1 --max_new_tokens 64 --depths 1024 --rings 4096 \
+    --cells $OUT/rounds.jsonl 2>&1 | filt | tee $OUT/rounds.log | grep -v "^$" | tail -12
   for c in 4 16; do
-    timeout 90 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas --drafts none \
+    timeout 100 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas --drafts none \
       --depths 1024 --rings 4096 --max_new_tokens 32 --seeds 2 --prefill_chunk $c --cells $OUT/prefill.jsonl \
       2>&1 | filt | tail -3
   done ;;
-2)  # issue 5: k = 1 and 3 in one run with their plain arm, lookup with draftless rounds as plain steps
-  timeout 500 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas \
-    --drafts none,replay@1,replay@3,lookup@3 --seeds 1 --max_new_tokens 64 --depths 1024 --rings 4096 \
-    --cells $OUT/rounds.jsonl 2>&1 | filt | tee $OUT/rounds.log | grep -v "^$" | tail -12 ;;
 3)  # issue 7 item 3: the seed's four arms on the GPU with the Pallas kernels (+ plain arms), 3 seeds; max_context
     # 139,264 over rings of 32K/48K attaches a host tier (idle at 1K depth: SKIP=--nohost_skip_idle if PART 1's
     # host-tier cells with the cond failed)
