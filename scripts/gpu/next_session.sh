@@ -17,7 +17,7 @@ case "${PART:-1}" in
   timeout 110 $S30 --nofuse_qkv --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4
   timeout 110 $S30 --experts Q4_K --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4
   for sk in --host_skip_idle --nohost_skip_idle; do        # the idle-evict cond (host_tier.SKIP_IDLE_EVICT) vs not
-    timeout 100 $S30 --steps 16 $sk --cells 32768:1024:auto:pallas:139264,32768:65536:auto:pallas:139264 2>&1 \
+    timeout 100 $S30 --steps 16 $sk --cells 32768:1024:auto:pallas:139264,32768:8192:auto:pallas:139264,32768:65536:auto:pallas:139264 2>&1 \
       | filt | tee -a $OUT/host.log | grep -v "^$" | tail -4
   done
   # where the tier's bytes move: the optimized HLO of a host-tier step (S(5) = host memory space)
