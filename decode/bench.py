@@ -159,12 +159,12 @@ def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
 
 def _plan(model, arm: Arm, gen, k: int):
   """The request's memory plan and expert slots (None: all resident), as `generate --plan` makes them."""
-  from decode.engine import ring_capacity
+  from decode.engine import prefill_chunk, ring_capacity
   from decode.kv_plan import device_budget, plan_request
   ring = ring_capacity(arm.depth + gen.max_new_tokens + (k + 1 if k else 0), gen.kv_resident)
   return plan_request(model, ring=ring, kv=arm.kv, max_context=gen.max_context, k=k,
                       mtp_window=FLAGS.mtp_window if arm.draft == "mtp" else None, expert_cache=arm.cache,
-                      budget=device_budget(FLAGS.device_budget))
+                      budget=device_budget(FLAGS.device_budget), prefill_chunk=min(prefill_chunk(gen), arm.depth))
 
 
 def _hit_rate(st: dict) -> float | None:

@@ -141,14 +141,15 @@ def _drafter(cfg) -> str:
 
 def _plan(model, gen, n_prompt: int, drafter: str):
   """The request's memory plan (refused over budget) and the expert-cache slots it gives."""
-  from decode.engine import ring_capacity
+  from decode.engine import prefill_chunk, ring_capacity
   from decode.kv_plan import GiB, device_budget, plan_request
   if FLAGS.expert_cache not in ("all", "auto"):
     _int_flag("expert_cache", FLAGS.expert_cache, "all or auto")     # a number of slots, else one line
   k = FLAGS.mtp_draft if drafter != "none" else 0
   ring = ring_capacity(n_prompt + gen.max_new_tokens + (k + 1 if k else 0), gen.kv_resident)
   kw = dict(kv=gen.kv, max_context=gen.max_context, mtp_window=FLAGS.mtp_window if drafter == "mtp" else None, k=k,
-            expert_cache=FLAGS.expert_cache, budget=device_budget(FLAGS.device_budget))
+            expert_cache=FLAGS.expert_cache, budget=device_budget(FLAGS.device_budget),
+            prefill_chunk=min(prefill_chunk(gen), n_prompt))
   plan, slots = plan_request(model, ring=ring, **kw)
   if FLAGS.plan and plan.budget is not None:
     out = sys.stderr if FLAGS.json else sys.stdout

@@ -142,13 +142,15 @@ def device_budget(flag: str | None) -> int | None:
 
 
 def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_window: int | None, k: int,
-                 expert_cache: str = "all", budget: int | None = None) -> tuple[MemoryPlan, int | None]:
+                 expert_cache: str = "all", budget: int | None = None,
+                 prefill_chunk: int = 1024) -> tuple[MemoryPlan, int | None]:
   """The plan of one request and the expert-cache slots it gives: (plan, slots or None for all resident).
 
-  expert_cache: "all" | "auto" (slots from what is free after everything else) | a number of slots."""
+  expert_cache: "all" | "auto" (slots from what is free after everything else) | a number of slots.
+  prefill_chunk: tokens per prefill call (the workspace; the engine's is decode.engine.prefill_chunk(gen))."""
   total, experts = param_bytes(model.params)
   base = dict(weight_bytes=total, expert_bytes=experts, ring=ring, kv=kv, max_context=max_context,
-              mtp_window=mtp_window, k=k, budget=budget)
+              mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk)
   if expert_cache == "all":
     return make_plan(model.cfg, **base).check(), None
   from decode import expert_cache as xc

@@ -80,3 +80,14 @@ def test_prompt_over_max_context_is_refused():
                       "--kv_resident", "256"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 1 and "Traceback" not in r.stderr
   assert "exceeds max_context 256" in r.stderr.strip().splitlines()[-1]
+
+
+def test_plan_over_the_device_budget_is_refused():
+  """A 256K bf16 ring does not fit a 64 MiB budget: one line naming the budget and the largest items."""
+  r = subprocess.run([sys.executable, "-m", "decode.generate", "--gguf", model_path("qwen3moe", "F16"),
+                      "--prompt_tokens", "16", "--max_new_tokens", "4", "--kv_resident", "262144",
+                      "--device_budget", "64MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and "Traceback" not in r.stderr
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: memory plan:") and "exceeds the budget 0.06 GiB" in last
+  assert "largest: main ring" in last, last
