@@ -301,7 +301,8 @@ def main(argv):
                  "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
                  "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
                  "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0, "first_run_s": compile_s, "stats": st}
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0, "first_run_s": compile_s,
+                 "stats": st}
           records.append(rec)
           out.write(json.dumps(rec) + "\n")
           out.flush()

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from model.config import ModelConfig
+from ops.attention import in_host_memory, on_device
 from ops.qtensor import QTensor
 
 POLICIES = ("lru", "lfu")
@@ -150,7 +151,7 @@ def _memory_kind(x) -> str:
   """The memory kind of an array: its sharding's when concrete, else from its abstract value's memory space."""
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
     return x.sharding.memory_kind or "device"
-  return "pinned_host" if _on_host(x) else "device"
+  return "pinned_host" if in_host_memory(x) else "device"
 
 
 def place_store(params: dict, cfg: ModelConfig, kind: str | None = None) -> dict:
@@ -175,8 +176,13 @@ def place_store(params: dict, cfg: ModelConfig, kind: str | None = None) -> dict
       blk = mtp["blk"] = dict(mtp["blk"])
     ffn = blk["ffn"] = dict(blk["ffn"])
     for n in ("gate_exps", "up_exps", "down_exps"):
-      ffn[n] = _rebuild(ffn[n], tuple(jax.device_put(p, sh) for p in _planes(ffn[n])))
+      ffn[n] = _put(ffn[n], sh)
   return out
+
+
+def _put(w, sharding):
+  """A store tensor (QTensor or dense array) with its planes put in `sharding` (a memory kind)."""
+  return _rebuild(w, tuple(jax.device_put(p, sharding) for p in _planes(w)))
 
 
 def is_store_path(path: tuple) -> bool:
@@ -190,9 +196,7 @@ def placer(kind: str):
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
 
   def place(path: tuple, param):
-    if kind == "device" or not is_store_path(path):
-      return param
-    return _rebuild(param, tuple(jax.device_put(p, sh) for p in _planes(param)))
+    return _put(param, sh) if is_store_path(path) else param
   return place
 
 
@@ -206,22 +210,16 @@ def store_kinds(params: dict, cfg: ModelConfig) -> dict[str, list[str]]:
   return out
 
 
-def _on_host(x) -> bool:
-  return jax.typeof(x).memory_space == jax.memory.Space.Host
-
-
 def to_device(w):
   """A store tensor (QTensor or dense array) moved to device memory inside a jitted step; unchanged when it is
   already there. For the paths that read the whole store (T * top_k > n_experts)."""
-  moved = tuple(jax.device_put(p, jax.memory.Space.Device) if _on_host(p) else p for p in _planes(w))
-  return _rebuild(w, moved)
+  return _rebuild(w, tuple(on_device(p) for p in _planes(w)))
 
 
 def _fetch(plane: jax.Array, e) -> jax.Array:
   """Row e of a store plane, [1, ...] in device memory: a dynamic slice, then (store on the host) a move of just
   that slice to the device."""
-  row = jax.lax.dynamic_slice_in_dim(plane, e, 1, axis=0)
-  return jax.device_put(row, jax.memory.Space.Device) if _on_host(plane) else row
+  return on_device(jax.lax.dynamic_slice_in_dim(plane, e, 1, axis=0))
 
 
 def create(params: dict, cfg: ModelConfig, n_slots: int, policy: str = "lru") -> ExpertCache:

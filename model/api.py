@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from decode.host_tier import evict_leaving
 from decode.kv_ring import KVRing
 from model.config import ModelConfig
 from model.transformer import Decoder, MTPBlock
@@ -93,7 +94,6 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only:
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   host = state.host
   if host is not None:            # positions leaving the ring's window move to the tier before any layer writes
-    from decode.host_tier import evict_leaving
     host = evict_leaving(host, ring, pos)
   with jax.default_matmul_precision(MATMUL_PRECISION):
     logits, hidden, ring, experts, host = Decoder(cfg).apply(

@@ -43,20 +43,21 @@ def load_model(path: str, cache_dir: str | None = None, expert_store: str | None
   """
   from model.tokenizer import Tokenizer
   t0 = time.perf_counter()
+  store = expert_store if expert_store not in (None, "device") else None
   if cache_dir and os.path.isfile(path):
     entry = checkpoint.entry_dir(path, cache_dir)
     got = checkpoint.restore(entry)
     if got is not None:
       cfg, params, tok_md = got
       logging.info("loaded %s from cache %s", path, entry)
-      if expert_store and expert_store != "device":
+      if store:
         from decode.expert_cache import place_store
-        params = place_store(params, cfg, expert_store)
+        params = place_store(params, cfg, store)
       return LoadedModel(cfg, fuse_qkv(params), Tokenizer.from_metadata(tok_md), path, True, time.perf_counter() - t0)
   place = None
-  if expert_store and expert_store != "device":
+  if store:
     from decode.expert_cache import placer
-    place = placer(expert_store)
+    place = placer(store)
   cfg, params, tok, f = load_gguf(path, place)
   if cache_dir:
     checkpoint.save(checkpoint.entry_dir(path, cache_dir), cfg, params, _tokenizer_md(f.md))
