@@ -127,7 +127,7 @@ def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, s
   return state
 
 
-PREFILL_CHUNK = 2048          # tokens per prefill call on CPU, and on any backend with GenConfig.prefill_chunk 0
+PREFILL_CHUNK = 2048          # tokens per prefill call on CPU (GenConfig.prefill_chunk None)
 KERNEL_PREFILL_CHUNK = 8     # on a GPU: the decode kernels' batch (attention kernel T <= 8, MoE kernels B <= 16)
 
 
@@ -136,7 +136,9 @@ def prefill_chunk(gen: GenConfig) -> int:
   through the Pallas decode kernels, 8 tokens a call: one small compile shared with every prompt length's
   full chunks; measured on the H200 against one 1,024-token call in docs/PERF.md "Prefill") and PREFILL_CHUNK
   elsewhere (CPU: one big call is fastest)."""
-  if gen.prefill_chunk:
+  if gen.prefill_chunk is not None:
+    if gen.prefill_chunk < 1:
+      raise RequestError(f"prefill_chunk: {gen.prefill_chunk}, expected at least 1 token per call")
     return gen.prefill_chunk
   return KERNEL_PREFILL_CHUNK if jax.default_backend() in ("gpu", "cuda", "rocm") else PREFILL_CHUNK
 

@@ -91,3 +91,11 @@ def test_plan_over_the_device_budget_is_refused():
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("error: memory plan:") and "exceeds the budget 0.06 GiB" in last
   assert "largest: main ring" in last, last
+
+
+def test_prefill_chunk_below_one_is_refused():
+  r = subprocess.run([sys.executable, "-m", "decode.generate", "--gguf", model_path("qwen3moe", "F16"),
+                      "--prompt_tokens", "16", "--max_new_tokens", "4", "--prefill_chunk", "0"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and "Traceback" not in r.stderr
+  assert r.stderr.strip().splitlines()[-1] == "error: prefill_chunk: 0, expected at least 1 token per call"
