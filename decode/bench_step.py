@@ -38,6 +38,7 @@ flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
 flags.DEFINE_bool("host_skip_idle", False, "host tier: evict under one lax.cond per step that skips it while "
                   "no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
+flags.DEFINE_enum("attn_dots", None, ["tf32x3", "bf16x2"], "decode attention kernel MMA scheme (ops.attention_pallas.DEFAULT_DOTS when unset)")
 flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
                   "--nofuse_qkv runs three")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
@@ -130,7 +131,10 @@ def main(argv):
   from ops import attention
   from ops.qtensor import with_kernels
   from decode import host_tier
+  from ops import attention_pallas
   host_tier.SKIP_IDLE_EVICT = FLAGS.host_skip_idle      # read at trace time
+  if FLAGS.attn_dots:
+    attention_pallas.DEFAULT_DOTS = FLAGS.attn_dots           # read at trace time
   cfg = preset(FLAGS.preset)
   t0 = time.time()
   params = random_params(cfg, types=quant_policy(FLAGS.experts, FLAGS.other), progress=True)
@@ -177,7 +181,7 @@ def main(argv):
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
-             "attn": at, "fuse_qkv": FLAGS.fuse_qkv,
+             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "attn_dots": attention_pallas.DEFAULT_DOTS,
              "host_skip_idle": FLAGS.host_skip_idle if host_cap else None, "ms_per_step": ms,
              "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,

@@ -125,8 +125,31 @@ def _dot(a, b, b_contract: int, tc: bool):
                          preferred_element_type=jnp.float32)
 
 
+def _dot_bf16x2(a, b, b_contract: int):
+  """The same dot with `b` exact in bf16 (int8 integers or a bf16 ring) and float32 `a` split into a bf16 high
+  part and a bf16 remainder: two bf16 MMAs, float32 accumulation, ~16 significant bits of `a` (relative
+  error ~1e-5), half the MMAs of 3xTF32 at twice the rate. Same arithmetic in interpret mode."""
+  a_hi = a.astype(jnp.bfloat16)
+  a_lo = (a - a_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  dims = (((1,), (b_contract,)), ((), ()))
+  return (lax.dot_general(a_hi, b, dims, preferred_element_type=jnp.float32)
+          + lax.dot_general(a_lo, b, dims, preferred_element_type=jnp.float32))
+
+
+DOTS = ("tf32x3", "bf16x2")
+DEFAULT_DOTS = "tf32x3"   # "bf16x2" takes int8 and bf16 rings only (their values are exact in bf16)
+
+
+def dots_for(dots: str | None, ring_dtype) -> str:
+  """The dot mode a call runs: `dots` or DEFAULT_DOTS; float32 rings always 3xTF32 (not exact in bf16)."""
+  dots = dots or DEFAULT_DOTS
+  if dots not in DOTS:
+    raise ValueError(f"ring_attention_pallas: dots {dots!r}, expected one of {DOTS}")
+  return "tf32x3" if jnp.dtype(ring_dtype) == jnp.float32 else dots
+
+
 def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
-            count_visits: bool, tc: bool):
+            count_visits: bool, tc: bool, dots: str):
   """Program (h, s): online softmax of q rows of kv head h over its range of live tiles."""
   if quant:
     ks_ref, vs_ref, *refs = refs
@@ -150,9 +173,11 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
     m, l, acc = carry
     pos0 = i * bk
     slot0 = pl.multiple_of(lax.rem(i, n_slot_tiles) * bk, bk)
-    k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(jnp.float32)       # [bk, Dh] (int8: the integers)
-    v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(jnp.float32)
-    sc = _dot(q, k, 1, tc)                                                 # [P, bk] = q k^T
+    kv_t = jnp.bfloat16 if dots == "bf16x2" else jnp.float32
+    k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)              # [bk, Dh] (int8: the integers)
+    v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)
+    dot = _dot_bf16x2 if dots == "bf16x2" else functools.partial(_dot, tc=tc)
+    sc = dot(q, k, 1)                                                      # [P, bk] = q k^T
     if quant:
       sc = sc * ks_ref[layer, pl.ds(slot0, bk), h][None, :]
     kpos = pos0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
@@ -164,7 +189,7 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=1)
     pv = p * vs_ref[layer, pl.ds(slot0, bk), h][None, :] if quant else p
-    acc = acc * corr[:, None] + _dot(pv, v, 0, tc)
+    acc = acc * corr[:, None] + dot(pv, v, 0)
     return m_new, l, acc
 
   init = (jnp.full((P,), NEG_INF, jnp.float32), jnp.zeros((P,), jnp.float32), jnp.zeros((P, Dh), jnp.float32))
@@ -176,14 +201,17 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
     cnt_ref[0][...] = jnp.full((P,), jnp.maximum(t1 - t0, 0), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bk", "n_splits", "count_visits"))
+@functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bk", "n_splits", "count_visits",
+                                             "num_warps", "num_stages", "dots"))
 def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
                           block: int, scale: float, interpret: bool = False, bk: int | None = None,
-                          n_splits: int | None = None, count_visits: bool = False):
+                          n_splits: int | None = None, count_visits: bool = False, num_warps: int | None = None,
+                          num_stages: int | None = None, dots: str | None = None):
   """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref. Returns [T, Hq, Dh] float32.
 
   k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
-  k_scale/v_scale: [(L,) R, Hkv] or None. bk, n_splits override the tuning table (tests).
+  k_scale/v_scale: [(L,) R, Hkv] or None. bk, n_splits, num_warps, num_stages override the tuning table (tests,
+  ops.bench_attention); dots picks the MMA scheme ("tf32x3" | "bf16x2", default DEFAULT_DOTS, see dots_for).
   With count_visits, also returns the number of tiles each program visited, [Hkv, S] int32.
   """
   if layer is None:
@@ -196,6 +224,8 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
   G = Hq // Hkv
   tile, warps, stages = tuning(Dh, block)
   bk = bk or tile
+  warps, stages = num_warps or warps, num_stages or stages
+  dots = dots_for(dots, k_ring.dtype)
   if block % bk or R % block:
     raise ValueError(f"ring_attention_pallas: need bk={bk} | block={block} | R={R}")
   S = n_splits or max_splits(Hkv)
@@ -229,7 +259,8 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
   if count_visits:
     out_shape.append(jax.ShapeDtypeStruct((Hkv, S, P), jnp.int32))
     out_specs.append(pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)))
-  kernel = functools.partial(_kernel, bk=bk, capacity=R, quant=quant, count_visits=count_visits, tc=not interpret)
+  kernel = functools.partial(_kernel, bk=bk, capacity=R, quant=quant, count_visits=count_visits, tc=not interpret,
+                             dots=dots)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=in_specs, out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),

@@ -34,6 +34,8 @@ flags.DEFINE_integer("iters", 100, "calls per timed jit (fori_loop)")
 flags.DEFINE_integer("reps", 5, "timed runs (median)")
 flags.DEFINE_list("impls", ["ref", "pallas"], "implementations to time")
 flags.DEFINE_bool("sliced", False, "also time the kernel on ring.k[L] sliced outside the call")
+flags.DEFINE_list("variants", [], "kernel variants dots:bk:warps:stages[:splits] (e.g. tf32x3:64:4:2,bf16x2:128:8:3), "
+                  "timed at the largest capacity for every depth, with KV GB/s; a table of their own")
 
 _DT = {"bf16": jnp.bfloat16, "int8": jnp.int8, "f32": jnp.float32}
 
@@ -49,12 +51,17 @@ def make_ring(key, L, R, Hkv, Dh, kv):
   return (jax.random.normal(kk, shape, _DT[kv]), jax.random.normal(kv_, shape, _DT[kv]), None, None)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "iters", "block", "sliced"))
-def _loop(q, k, v, ks, vs, pos, length, layer, *, impl, iters, block, sliced):
+@functools.partial(jax.jit, static_argnames=("impl", "iters", "block", "sliced", "variant"))
+def _loop(q, k, v, ks, vs, pos, length, layer, *, impl, iters, block, sliced, variant=None):
   scale = q.shape[-1] ** -0.5
 
   def body(_, q):
-    if sliced:
+    if variant is not None:
+      dots, bk, warps, stages, splits = variant
+      o = attention_pallas.ring_attention_pallas(q, k, v, ks, vs, pos, length, layer, block=block, scale=scale,
+                                                 bk=bk, num_warps=warps, num_stages=stages, dots=dots,
+                                                 n_splits=splits, interpret=jax.default_backend() == "cpu")
+    elif sliced:
       sc = (None, None) if ks is None else (ks[layer], vs[layer])
       o = attention.ring_attention(q, k[layer], v[layer], *sc, pos, length, block=block, scale=scale, impl=impl)
     else:
@@ -64,13 +71,28 @@ def _loop(q, k, v, ks, vs, pos, length, layer, *, impl, iters, block, sliced):
   return jax.lax.fori_loop(0, iters, body, q)
 
 
-def time_call(impl, q, ring, depth, sliced=False) -> float:
+def parse_variant(text: str):
+  """'dots:bk:warps:stages[:splits]' -> (dots, bk, warps, stages, splits or None)."""
+  parts = text.split(":")
+  if len(parts) not in (4, 5) or parts[0] not in attention_pallas.DOTS:
+    raise ValueError(f"--variants: {text!r}, expected dots:bk:warps:stages[:splits] with dots in "
+                     f"{attention_pallas.DOTS}")
+  return (parts[0], *map(int, parts[1:4]), int(parts[4]) if len(parts) == 5 else None)
+
+
+def kv_bytes(depth: int, Hkv: int, Dh: int, kv: str) -> int:
+  """Bytes of K and V (and int8 scales) one layer's call reads at `depth`."""
+  item = {"bf16": 2, "int8": 1, "f32": 4}[kv]
+  return depth * Hkv * (2 * Dh * item + (8 if kv == "int8" else 0))
+
+
+def time_call(impl, q, ring, depth, sliced=False, variant=None) -> float:
   """Median µs per attention call."""
   k, v, ks, vs = ring
   T = q.shape[0]
   pos = jnp.arange(depth - T, depth, dtype=jnp.int32)
   args = (q, k, v, ks, vs, pos, jnp.int32(depth), jnp.int32(k.shape[0] - 1))
-  f = functools.partial(_loop, impl=impl, iters=FLAGS.iters, block=FLAGS.block, sliced=sliced)
+  f = functools.partial(_loop, impl=impl, iters=FLAGS.iters, block=FLAGS.block, sliced=sliced, variant=variant)
   for _ in range(2):             # the first run of a Pallas call can extend the tracing context: warm up twice
     f(*args).block_until_ready()
   ts = []
@@ -103,8 +125,27 @@ def main(argv):
         us = time_call(kernel if sliced else impl, q, ring, d, sliced=sliced)
         res[(d, R, impl)] = us
         logging.info("depth %6d  R %6d  %-13s %9.1f us", d, R, impl, us)
+    if R == caps[-1] and FLAGS.variants:
+      variants = [parse_variant(x) for x in FLAGS.variants]
+      for d in depths:
+        for name, var in zip(FLAGS.variants, variants):
+          res[(d, "variant", name)] = us = time_call(None, q, ring, d, variant=var)
+          logging.info("depth %6d  R %6d  %-24s %9.1f us  %7.1f GB/s", d, R, name, us,
+                       kv_bytes(d, Hkv, Dh, FLAGS.kv) / us / 1e3)
     del ring
 
+  if FLAGS.variants:
+    print(f"kernel variants at R={caps[-1]} (dots:bk:warps:stages[:splits]), µs per call / KV GB/s, kv={FLAGS.kv}, "
+          f"T={T}, {dev.device_kind}\n")
+    print("| variant | " + " | ".join(f"depth {d}" for d in depths) + " |")
+    print("|---|" + "---:|" * len(depths))
+    for name in FLAGS.variants:
+      cells = [f"{res[(d, 'variant', name)]:.1f} / {kv_bytes(d, Hkv, Dh, FLAGS.kv) / res[(d, 'variant', name)] / 1e3:.0f}"
+               for d in depths]
+      print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+  if not impls:
+    return
   lines = [f"decode attention, T={T}, Hq={Hq}, Hkv={Hkv}, Dh={Dh}, kv={FLAGS.kv}, block={FLAGS.block}, "
            f"kernel bk={bk} warps={warps} stages={stages} splits<={attention_pallas.max_splits(Hkv)}, "
            f"{dev.device_kind}", "",

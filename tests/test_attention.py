@@ -183,6 +183,32 @@ def test_dispatch():
   assert attention_pallas.supported(1, 32, 4, 128, 256, jax.ShapeDtypeStruct(big.shape, jnp.bfloat16)) is None
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("T,G,R,depth", CASES[:2])
+def test_kernel_bf16x2_dots_match_reference(dtype, T, G, R, depth):
+  """The two-bf16-MMA scheme (ring values exact in bf16, q and p split hi + lo) against the float32 reference:
+  ~16 significant bits of q and p, so a few 1e-5 relative, never the ~4e-3 of plain bf16 operands."""
+  hkv = 2
+  ring = _ring(R, depth, dtype, hkv)
+  q, pos = _q(T, hkv * G), _pos(T, depth)
+  ref = np.asarray(ring_attention_ref(q, *_layer(ring), pos, depth, block=32, scale=SCALE))
+  out = np.asarray(ring_attention_pallas(q, *_layer(ring), pos, depth, block=32, scale=SCALE, interpret=True,
+                                         bk=16, dots="bf16x2"))
+  err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+  assert err < 5e-5, err
+  one_bf16 = np.linalg.norm(np.asarray(q.astype(jnp.bfloat16), np.float32) - np.asarray(q)) / np.linalg.norm(q)
+  assert err < one_bf16 / 20, (err, one_bf16)       # the split pays: far below one bf16 rounding of q
+
+
+def test_kernel_dots_refused_and_f32_ring_stays_tf32():
+  ring = _ring(64, 50, "f32", 1)
+  q, pos = _q(1, 2), _pos(1, 50)
+  with pytest.raises(ValueError, match="dots 'fp8'"):
+    ring_attention_pallas(q, *_layer(ring), pos, 50, block=32, scale=SCALE, interpret=True, bk=16, dots="fp8")
+  assert attention_pallas.dots_for("bf16x2", jnp.float32) == "tf32x3"
+  assert attention_pallas.dots_for("bf16x2", jnp.int8) == "bf16x2"
+
+
 def test_prefill_chunked_matches_reference():
   ring = _ring(128, 90, "int8", 2)
   T = 40
@@ -194,7 +220,8 @@ def test_prefill_chunked_matches_reference():
 
 @pytest.mark.parametrize("platform,kind", [("cuda", "NVIDIA H200"), ("rocm", "gfx942")])
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
-def test_kernel_lowers_for_gpu(platform, kind, dtype):
+@pytest.mark.parametrize("dots", attention_pallas.DOTS)
+def test_kernel_lowers_for_gpu(platform, kind, dtype, dots):
   """Trace and lower the Triton kernel for an abstract GPU (the Qwen3-30B-A3B attention shape, T = 1 and 8)."""
   L, R, hkv, G, dh = 4, 4096, 4, 8, 128
   st = {"bf16": jnp.bfloat16, "int8": jnp.int8}[dtype]
@@ -203,7 +230,7 @@ def test_kernel_lowers_for_gpu(platform, kind, dtype):
   mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
                       abstract_device=AbstractDevice(device_kind=kind, num_cores=None, platform=platform))
   for T in (1, 8):
-    f = jax.jit(functools.partial(ring_attention_pallas, block=256, scale=dh ** -0.5))
+    f = jax.jit(functools.partial(ring_attention_pallas, block=256, scale=dh ** -0.5, dots=dots))
     args = (S((T, hkv * G, dh), jnp.float32), S((L, R, hkv, dh), st), S((L, R, hkv, dh), st), sc, sc,
             S((T,), jnp.int32), S((), jnp.int32), S((), jnp.int32))
     with use_abstract_mesh(mesh):
