@@ -48,7 +48,8 @@ flags.DEFINE_list("expert_cache", ["all"], "expert caches: all | auto | N slots 
 flags.DEFINE_string("device_budget", None, "device memory budget of the plan (e.g. 24GiB; default: the device's)")
 flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert-cache eviction policy")
 flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
-flags.DEFINE_enum("attn_dots", None, ["tf32x3", "bf16x2"], "decode attention kernel MMA scheme (ops.attention_pallas.DEFAULT_DOTS when unset)")
+flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
+                    "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
 flags.DEFINE_bool("host_skip_idle", False, "host tier (max_context > ring): skip the per-step copy into the tier "
                   "while no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's, 8 on a "
@@ -284,8 +285,8 @@ def main(argv):
   from decode import host_tier
   from ops import attention_pallas
   host_tier.SKIP_IDLE_EVICT = FLAGS.host_skip_idle          # read at trace time
-  if FLAGS.attn_dots:
-    attention_pallas.DEFAULT_DOTS = FLAGS.attn_dots           # read at trace time
+  if FLAGS.attn_kernel:
+    attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
   arms, bars = _arms()
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.cells)), exist_ok=True)
   from decode.provenance import commit as _commit, device as _device
@@ -303,7 +304,8 @@ def main(argv):
           st = run_cell(model, arm, seed, FLAGS.max_new_tokens)
           rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
                  "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
-                 "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle, "attn_dots": attention_pallas.DEFAULT_DOTS,
+                 "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
+                 "attn_kernel": FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
                  "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0, "first_run_s": compile_s,
                  "stats": st}

@@ -29,7 +29,8 @@ flags.DEFINE_string("other", "Q8_0", "other matrices' type")
 flags.DEFINE_list("rings", ["4096", "16384", "32768", "131072"], "ring capacities")
 flags.DEFINE_list("depths", ["1024"], "live positions before timing")
 flags.DEFINE_list("kernels", ["xla"], "quantized kernels: xla | pallas")
-flags.DEFINE_list("attn", ["auto"], "attention on the GPU: auto (the dispatcher's default) | ref | pallas")
+flags.DEFINE_list("attn", ["auto"], "attention on the GPU: auto (the dispatcher's default) | ref | pallas | a kernel "
+                  "spec dots/bk/warps/stages (e.g. bf16x2/128/8/3: the kernel so tuned)")
 flags.DEFINE_list("cells", None, "explicit cells ring:depth[:attn[:kernels[:max_context]]] (instead of the rings x "
                   "depths grid); max_context > ring adds a host tier")
 flags.DEFINE_string("kv", "int8", "KV dtype")
@@ -38,7 +39,8 @@ flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
 flags.DEFINE_bool("host_skip_idle", False, "host tier: evict under one lax.cond per step that skips it while "
                   "no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
-flags.DEFINE_enum("attn_dots", None, ["tf32x3", "bf16x2"], "decode attention kernel MMA scheme (ops.attention_pallas.DEFAULT_DOTS when unset)")
+flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
+                    "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
 flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
                   "--nofuse_qkv runs three")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
@@ -133,8 +135,8 @@ def main(argv):
   from decode import host_tier
   from ops import attention_pallas
   host_tier.SKIP_IDLE_EVICT = FLAGS.host_skip_idle      # read at trace time
-  if FLAGS.attn_dots:
-    attention_pallas.DEFAULT_DOTS = FLAGS.attn_dots           # read at trace time
+  if FLAGS.attn_kernel:
+    attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
   cfg = preset(FLAGS.preset)
   t0 = time.time()
   params = random_params(cfg, types=quant_policy(FLAGS.experts, FLAGS.other), progress=True)
@@ -162,7 +164,11 @@ def main(argv):
       prev = (kn, at)
       p = with_kernels(params, kn)
       default_gpu = attention.DEFAULT_GPU_IMPL
-      if at != "auto":
+      default_kernel = attention_pallas.DEFAULT_DOTS, dict(attention_pallas.TUNING)
+      if at.split("/")[0] in attention_pallas.DOTS:    # a kernel spec dots[/bk/warps/stages]: the kernel so tuned
+        attention_pallas.configure(at.replace("/", ":"))
+        attention.DEFAULT_GPU_IMPL = "pallas"
+      elif at != "auto":
         attention.DEFAULT_GPU_IMPL = at          # read at trace time; caches are cleared after each cell
       try:
         if C is not None and C < depth + FLAGS.steps + 1:
@@ -178,10 +184,13 @@ def main(argv):
         continue
       finally:
         attention.DEFAULT_GPU_IMPL = default_gpu
+        attention_pallas.DEFAULT_DOTS, attention_pallas.TUNING = default_kernel[0], default_kernel[1]
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
-             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "attn_dots": attention_pallas.DEFAULT_DOTS,
+             "attn": at, "fuse_qkv": FLAGS.fuse_qkv,
+             "attn_kernel": (at.replace("/", ":") if at.split("/")[0] in attention_pallas.DOTS
+                             else FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS),
              "host_skip_idle": FLAGS.host_skip_idle if host_cap else None, "ms_per_step": ms,
              "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,

@@ -67,6 +67,19 @@ def tuning(head_dim: int, block: int) -> tuple[int, int, int]:
   return min(bk, block), warps, stages
 
 
+def configure(spec: str) -> None:
+  """Set the kernel's defaults from 'dots[:bk:warps:stages]' (benchmarks' --attn_kernel; read at trace time):
+  DEFAULT_DOTS, and with the numbers the TUNING entry of every head_dim."""
+  global DEFAULT_DOTS
+  parts = spec.split(":")
+  if parts[0] not in DOTS or len(parts) not in (1, 4):
+    raise ValueError(f"attention kernel spec {spec!r}, expected dots[:bk:warps:stages] with dots in {DOTS}")
+  DEFAULT_DOTS = parts[0]
+  if len(parts) == 4:
+    for dh in TUNING:
+      TUNING[dh] = tuple(int(x) for x in parts[1:])
+
+
 def max_splits(n_kv_heads: int) -> int:
   """Static number of split programs per kv head: a power of two, from the head count only."""
   s = max(1, TARGET_PROGRAMS // n_kv_heads)

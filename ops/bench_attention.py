@@ -129,7 +129,12 @@ def main(argv):
       variants = [parse_variant(x) for x in FLAGS.variants]
       for d in depths:
         for name, var in zip(FLAGS.variants, variants):
-          res[(d, "variant", name)] = us = time_call(None, q, ring, d, variant=var)
+          try:
+            res[(d, "variant", name)] = us = time_call(None, q, ring, d, variant=var)
+          except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, the sweep goes on
+            logging.warning("variant %s at depth %d: %s: %s", name, d, type(e).__name__, str(e).splitlines()[0][:200])
+            res[(d, "variant", name)] = float("nan")
+            continue
           logging.info("depth %6d  R %6d  %-24s %9.1f us  %7.1f GB/s", d, R, name, us,
                        kv_bytes(d, Hkv, Dh, FLAGS.kv) / us / 1e3)
     del ring

@@ -55,4 +55,18 @@ case "${PART:-1}" in
     --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
   timeout 200 python3 -m ops.bench --out $OUT/kern --check --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1 \
     --impls pallas --parts b --layers 2 --iters 1 2>&1 | grep --line-buffered "^check" ;;
+7)  # issue 7 (decode goal at 32K): decode-attention variants (MMA scheme, tile, warps, stages, splits) on the
+    # 30B attention shape, int8 KV, T = 1 and T = 8; then the step with the current kernel, bf16x2 and the
+    # fastest variant at 32K, interleaved in one process; then Q4_K experts (issue 7's second anchor)
+  V=tf32x3:64:4:2,bf16x2:64:4:2,bf16x2:64:4:3,bf16x2:128:4:2,bf16x2:128:8:2,bf16x2:128:8:3,bf16x2:256:8:2,bf16x2:64:4:2:128,tf32x3:64:4:2:128
+  timeout 100 python3 -m ops.bench_attention --kv int8 --depths 1024,8192,32768,131072 --capacities 131072 \
+    --impls= --variants $V 2>&1 | filt | tee $OUT/attn.log | grep -E "^\||GB/s" | grep -v "^I" 
+  timeout 40 python3 -m ops.bench_attention --kv int8 --T 8 --depths 1024,32768 --capacities 32768 \
+    --impls= --variants tf32x3:64:4:2,bf16x2:64:4:2,bf16x2:128:8:2 2>&1 | filt | tee $OUT/attn8.log | grep "^|"
+  best=$(python3 scripts/gpu/best_attn.py $OUT/attn.log 32768 bf16x2/64/4/2); echo "best at 32K: $best"
+  A="tf32x3/64/4/2 bf16x2/64/4/2 $best"; C=""
+  for d in 1024 32768; do for a in $A; do C="$C,$([ $d = 1024 ] && echo 4096 || echo 32768):$d:$a:pallas"; done; done
+  timeout 250 $S30 --cells ${C#,} 2>&1 | filt | tail -9
+  timeout 170 $S30 --experts Q4_K --cells 4096:1024:tf32x3/64/4/2:pallas,4096:1024:$best:pallas,32768:32768:$best:pallas \
+    2>&1 | filt | tail -6 ;;
 esac
