@@ -39,7 +39,7 @@ case "${PART:-1}" in
 3)  # issue 7 item 3: the seed's four arms on the GPU with the Pallas kernels (+ plain arms), 3 seeds; max_context
     # 139,264 over rings of 32K/48K attaches a host tier (idle at 1K depth: SKIP=--nohost_skip_idle if PART 1's
     # host-tier cells with the cond failed)
-  timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
+  timeout ${T3:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
     ${SKIP:---host_skip_idle} --max_new_tokens 256 --seeds ${SEEDS:-3} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
 4)  # issue 6: the seed's 24 GiB card on seed-mtp (experts do not fit: auto slots), ring +16K, drafts on/off
   timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
@@ -55,6 +55,11 @@ case "${PART:-1}" in
     --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
   timeout 200 python3 -m ops.bench --out $OUT/kern --check --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1 \
     --impls pallas --parts b --layers 2 --iters 1 2>&1 | grep --line-buffered "^check" ;;
+8)  # issue 6, PART 4 made to fit (a 1,024-token prompt through slots runs at ~80 tok/s: 13 s a run): the seed's
+    # 24 GiB card on seed-mtp at depth 256, ring 32K and 48K, MTP off and on (replay k = 3), one seed
+  timeout ${T8:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
+    --expert_cache auto --rings 32768,49152 --drafts none,replay@3 --depths 256 --max_new_tokens 64 --seeds 1 \
+    --cells $OUT/xcache.jsonl 2>&1 | filt | tail -12 ;;
 7)  # issue 7 (decode goal at 32K): decode-attention variants (MMA scheme, tile, warps, stages, splits) on the
     # 30B attention shape, int8 KV, T = 1 and T = 8; then the step with the current kernel, bf16x2 and the
     # fastest variant at 32K, interleaved in one process; then Q4_K experts (issue 7's second anchor)
