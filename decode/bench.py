@@ -169,12 +169,10 @@ def _plan(model, arm: Arm, gen, k: int):
                       budget=device_budget(FLAGS.device_budget), prefill_chunk=min(prefill_chunk(gen), arm.depth))
 
 
-def _hit_rate(st: dict) -> float | None:
+def _hit_rate(st: dict, phase: str = "decode") -> float | None:
+  """The expert cache's hit rate in one phase of the request ("prefill" | "decode"), None without a cache."""
   xc = st.get("expert_cache")
-  if not xc:
-    return None
-  h, m = sum(xc["hits"]), sum(xc["misses"])
-  return h / (h + m) if h + m else None
+  return xc[phase]["hit_rate"] if xc and phase in xc else None
 
 
 def _speedups(records: list[dict], arms: list[Arm], a: Arm) -> str:
@@ -199,7 +197,7 @@ def _speedups(records: list[dict], arms: list[Arm], a: Arm) -> str:
 
 def _table(records: list[dict], arms: list[Arm]) -> str:
   rows = ["| arm | ring | draft | kv | depth | experts | decode tok/s (median) | prefill tok/s | "
-          "drafts accepted/proposed per seed | vs plain (bytes model) | expert hit rate |",
+          "drafts accepted/proposed per seed | vs plain (bytes model) | expert hits prefill / decode |",
           "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | --- | --- | ---: |"]
   for a in arms:
     rs = [r for r in records if r["arm"] == a.name]
@@ -209,11 +207,12 @@ def _table(records: list[dict], arms: list[Arm]) -> str:
     pre = statistics.median(r["stats"]["prefill_tok_s"] for r in rs)
     drafts = " ".join(f"{sum(r['stats'].get('drafts_accepted', [0]))}/{sum(r['stats'].get('drafts_proposed', [0]))}"
                       for r in rs) if a.draft != "none" else "-"
-    hits = [h for h in (_hit_rate(r["stats"]) for r in rs) if h is not None]
+    hits = {ph: [h for h in (_hit_rate(r["stats"], ph) for r in rs) if h is not None] for ph in ("prefill", "decode")}
+    hit_cell = " / ".join(f"{statistics.median(hits[ph]):.1%}" for ph in hits if hits[ph]) or "-"
     slots = rs[0]["stats"].get("expert_slots")
     cache = "all" if slots is None else f"{a.cache}: {slots} slots"
     rows.append(f"| {a.name} | {a.ring} | {a.draft} | {a.kv} | {a.depth} | {cache} | {med:.1f} | {pre:.0f} | {drafts} | "
-                f"{_speedups(records, arms, a)} | {f'{statistics.median(hits):.1%}' if hits else '-'} |")
+                f"{_speedups(records, arms, a)} | {hit_cell} |")
   return "\n".join(rows)
 
 

@@ -192,11 +192,34 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   return Started(state, logits, hidden, cap, grow=not fixed)
 
 
-def cache_stats(state: api.ModelState, n_tokens: int) -> dict | None:
+def cache_counts(state: api.ModelState) -> dict | None:
+  """Totals of the expert cache's counters so far (hits, misses, bytes_moved), or None without a cache: what
+  generate takes after prefill so that cache_stats can split the request into its two phases."""
   if state.experts is None:
     return None
   st = state.experts.stats()
-  st["per_token"] = {k: sum(st[k]) / max(n_tokens, 1) for k in ("hits", "misses", "bytes_moved")}
+  return {k: sum(st[k]) for k in ("hits", "misses", "bytes_moved")}
+
+
+def cache_stats(state: api.ModelState, n_tokens: int, after_prefill: dict | None = None) -> dict | None:
+  """The expert cache's counters per block over the whole request, and with `after_prefill` (cache_counts taken
+  once the prompt ran) the two phases apart: "prefill" and "decode" totals with their hit rates, and
+  "per_token" over the `n_tokens` generated tokens from the decode phase alone. Without it, per_token divides
+  the whole request (prefill included) by n_tokens."""
+  if state.experts is None:
+    return None
+  st = state.experts.stats()
+  keys = ("hits", "misses", "bytes_moved")
+  total = {k: sum(st[k]) for k in keys}
+  rate = lambda c: c["hits"] / (c["hits"] + c["misses"]) if c["hits"] + c["misses"] else None
+  if after_prefill is not None:
+    dec = {k: total[k] - after_prefill[k] for k in keys}
+    st["prefill"] = dict(after_prefill, hit_rate=rate(after_prefill))
+    st["decode"] = dict(dec, hit_rate=rate(dec))
+    st["per_token"] = {k: dec[k] / max(n_tokens, 1) for k in keys}
+  else:
+    st["per_token"] = {k: total[k] / max(n_tokens, 1) for k in keys}
+  st["hit_rate"] = rate(total)
   return st
 
 
@@ -235,6 +258,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   first = sample(logits[-1], sub, gen.temperature, gen.top_p)
   first.block_until_ready()
   ttft = time.perf_counter() - t0
+  prefilled = cache_counts(state)
   eos = tok.eos_id if (gen.stop_at_eos and tok.eos_id is not None) else -1
   n = gen.max_new_tokens
   if eager:
@@ -275,5 +299,5 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   stats = {"prompt_tokens": len(prompt), "generated_tokens": len(ids), "ttft_s": ttft,
            "decode_s": dt, "decode_tok_s": (len(ids) - 1) / dt if dt > 0 and len(ids) > 1 else 0.0,
            "kv": gen.kv, "kv_resident": cap, "eager": eager,
-           "ring_buckets": [cap] if eager else buckets, "expert_cache": cache_stats(state, len(ids))}
+           "ring_buckets": [cap] if eager else buckets, "expert_cache": cache_stats(state, len(ids), prefilled)}
   return GenResult(prompt, ids, tok.decode(ids), stats)

@@ -37,8 +37,8 @@ import numpy as np
 from flax import struct
 
 from decode import drafters
-from decode.engine import (GenConfig, GenResult, RequestError, cache_stats, commit_for_store, request_params,
-                           start_request)
+from decode.engine import (GenConfig, GenResult, RequestError, cache_counts, cache_stats, commit_for_store,
+                           request_params, start_request)
 from decode.sampling import sample, target_probs
 from model import api
 from model.config import ModelConfig
@@ -232,6 +232,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
       state = state.replace(mtp_ring=ring, experts=ex)
   first.block_until_ready()
   ttft = time.perf_counter() - t0
+  prefilled = cache_counts(state)
   H = _hist_size(T + n + k + 2)
   hist = jnp.zeros((H,), jnp.int32).at[:T].set(jnp.asarray(prompt, jnp.int32)).at[T].set(first)
   replay = jnp.full((H,), -1, jnp.int32)
@@ -266,5 +267,5 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
            "drafter": drafter, "k": k, "rounds": rounds, "drafts_proposed": prop, "drafts_accepted": accd,
            "acceptance": (sum(accd) / sum(prop)) if sum(prop) else 0.0,
            "mean_accepted_len": (sum(accd) / rounds) if rounds else 0.0,
-           "mtp_window": mtp_window if drafter == "mtp" else None, "expert_cache": cache_stats(s.model, got)}
+           "mtp_window": mtp_window if drafter == "mtp" else None, "expert_cache": cache_stats(s.model, got, prefilled)}
   return GenResult(prompt, ids, tok.decode(ids), stats)

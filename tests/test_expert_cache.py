@@ -114,6 +114,23 @@ def test_speculative_and_plain_with_cache_equal_without():
   assert spec.stats["expert_cache"]["misses"][-1] > 0          # the NextN block's experts: their own class
 
 
+def test_stats_split_prefill_and_decode():
+  """The prefill phase's counters equal a request that stops after its prompt; decode routes top_k experts per
+  trunk MoE block per generated token after the first; the phases add up to the per-block totals."""
+  m = _m("glm4moe", "IQ3_S")
+  prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1000, 16)]
+  kw = dict(stop_at_eos=False, expert_slots=m.cfg.top_k + 2)
+  full = generate(m, prompt, max_new_tokens=12, **kw).stats["expert_cache"]
+  prompt_only = generate(m, prompt, max_new_tokens=1, **kw).stats["expert_cache"]
+  trunk_moe = [b for b in xc.expert_blocks(m.cfg) if b < m.cfg.n_layers]
+  for k in ("hits", "misses", "bytes_moved"):
+    assert full["prefill"][k] == sum(prompt_only[k]), k
+    assert full["prefill"][k] + full["decode"][k] == sum(full[k]), k
+  assert full["decode"]["hits"] + full["decode"]["misses"] == 11 * m.cfg.top_k * len(trunk_moe)
+  assert full["decode"]["misses"] > 0 and full["per_token"]["misses"] == full["decode"]["misses"] / 12
+  assert full["decode"]["hit_rate"] == full["decode"]["hits"] / (11 * m.cfg.top_k * len(trunk_moe))
+
+
 def test_store_placement_is_a_noop_on_cpu():
   """On CPU the store stays where it is: one function decides, and the cache records the store's kind."""
   if jax.devices()[0].platform != "cpu":
