@@ -51,15 +51,20 @@ case "${PART:-1}" in
     --expert_cache all,5120,4096,2048,1024 --rings 4096 --drafts none --depths 256 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
 6)  # issue 3: part (b) for the other types at B = 1, 4, 16 against XLA, then their --check on the GPU
-  timeout 300 python3 -m ops.bench --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
+  timeout ${T6:-300} python3 -m ops.bench --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
     --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
-  timeout 200 python3 -m ops.bench --out $OUT/kern --check --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1 \
+  timeout ${T6C:-200} python3 -m ops.bench --out $OUT/kern --check --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1 \
     --impls pallas --parts b --layers 2 --iters 1 2>&1 | grep --line-buffered "^check" ;;
 8)  # issue 6, PART 4 made to fit (a 1,024-token prompt through slots runs at ~80 tok/s: 13 s a run): the seed's
     # 24 GiB card on seed-mtp at depth 256, ring 32K and 48K, MTP off and on (replay k = 3), one seed
   timeout ${T8:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
     --expert_cache auto --rings 32768,49152 --drafts none,replay@3 --depths 256 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xcache.jsonl 2>&1 | filt | tail -12 ;;
+9)  # issue 6: the 30B slot sweep with the prefill/decode split of the cache counters (commit 21b9083), a short
+    # prompt (64 tokens: prefill through slots is slow) so that four arms fit
+  timeout ${T9:-560} python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
+    --expert_cache all,4096,2048,1024 --rings 4096 --drafts none --depths 64 --max_new_tokens 64 --seeds 1 \
+    --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
 7)  # issue 7 (decode goal at 32K): decode-attention variants (MMA scheme, tile, warps, stages, splits) on the
     # 30B attention shape, int8 KV, T = 1 and T = 8; then the step with the current kernel, bf16x2 and the
     # fastest variant at 32K, interleaved in one process; then Q4_K experts (issue 7's second anchor)
