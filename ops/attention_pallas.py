@@ -17,14 +17,17 @@ Tiling.
           partial (acc [P, Dh], running max m [P], sum l [P]); `split_schedule(n_live_tiles, S)` gives the
           number of busy splits and tiles per split from the live tile count alone. Idle programs write
           (0, -inf, 0). A jnp log-sum-exp over the static S axis merges the partials.
-  loads   per tile: K, V [bk, Dh] of head h (strided by Hkv*Dh in the ring), converted to float32 in
-          registers; int8 rows are multiplied by their scale [bk] there (never dequantized in memory).
-  dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh] on the tensor cores, 3xTF32 (each float32
-          operand split into a TF32 high part and a TF32 remainder, three MMAs: about float32 accuracy; the
-          plain IEEE float32 FMA path ran ~100 GB/s at 32K). int8 rows enter the dots as their integers
-          (exact in TF32, so the split costs nothing there): the K scale multiplies the scores column after
-          the dot and the V scale multiplies p's column before it. Every output row depends only on its own
-          query row (an MMA's row is a dot of that row), so 1 query and k+1 verify queries agree.
+  loads   per tile: K, V [bk, Dh] of head h (strided by Hkv*Dh in the ring), converted to bf16 (float32 for
+          tf32x3) in registers; int8 scales [bk] apply around the dots (never dequantized in memory).
+  dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh] on the tensor cores. Default (DEFAULT_DOTS,
+          "bf16x2"): the ring's values are exact in bf16 (int8 integers, or a bf16 ring), so K and V load as
+          bf16 and only q and p are split into a bf16 high part and a bf16 remainder: two bf16 MMAs per dot,
+          float32 accumulation, ~16 significant bits of q and p (3e-6 relative against the float32
+          reference). "tf32x3" (each float32 operand split into TF32 high and remainder, three MMAs: about
+          float32 accuracy) stays for float32 rings and on request; it is compute-bound on the H200 (1.7x
+          slower at 32K). The int8 K scale multiplies the scores column after the dot and the V scale
+          multiplies p's column before it. Every output row depends only on its own query row (an MMA's
+          row is a dot of that row), so 1 query and k+1 verify queries agree.
 
 The model's ring keeps one array per layer (decode/kv_ring.py), passed as is; a caller holding a stacked
 [L, R, ...] ring passes it whole with the layer index (`layer=`, an int32 input): slicing `ring.k[L]` outside
