@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# The GPU measurements still open after 2026-11-30 (third session), in priority order, split into parts that each
-# fit one device call (<= 9.5 min). Run `PART=1 bash scripts/gpu/next_session.sh`, then 2, 3, 4, 5, 6, back to
-# back while the machine is warm (it goes back after 30 s idle). Results land in $OUT as JSONL + logs;
-# docs/PERF.md says which table each feeds. Every step has its own timeout so one slow step cannot eat the
-# others' output. Since commit d45edc3 a seed-mtp bench arm compiles in ~35 s (prefill through the decode
-# kernels), so a part holds 4-6 arms.
+# GPU measurements, split into parts that each fit one device call (<= 9.5 min); `PART=N bash
+# scripts/gpu/next_session.sh` runs one. On a two-GPU machine (kind nvidia-h200-x2) `bash scripts/gpu/pair.sh A
+# B+C` runs part A on GPU 0 and B then C on GPU 1 in one call (half the device time per part). Results land in
+# $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
+# step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
+#
+# Still open after 2026-11-30 (fourth session), in priority order:
+#   1. `pair.sh 3 8` with T8=560: the seed's four arms on the GPU (issue 7 item 3: never completed; the run with
+#      the host-tier cond wrote nothing in 300 s) and the expert cache's missing cells (issue 6 item 4: ring
+#      48K, MTP on with slots).
+#   2. `pair.sh 1 2`: fused q/k/v A/B, host tier with and without the cond (and its HLO), replay k = 1/3 and
+#      lookup after the draftless-step change, prefill chunk 4/16.
+#   3. `pair.sh 9 6`: the 1,024-slot arm of the 30B sweep; the GPU --check of IQ4_XS, IQ4_NL, Q5_K.
+# Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
+# 110-150 s (compile + prefill through slots at 24-80 tok/s).
 set -o pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -51,20 +60,21 @@ case "${PART:-1}" in
   timeout 560 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
     --expert_cache all,5120,4096,2048,1024 --rings 4096 --drafts none --depths 256 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
-6)  # issue 3: part (b) for the other types at B = 1, 4, 16 against XLA, then their --check on the GPU
-  timeout ${T6:-300} python3 -m ops.bench --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
+6)  # issue 3: part (b) for the other types at B = 1, 4, 16 against XLA (done 2026-11-30 17:11: T6=0 skips it),
+    # then their --check on the GPU (C6: the types to check; Q8_0 and Q6_K passed at 17:11)
+  [ "${T6:-300}" != 0 ] && timeout ${T6:-300} python3 -m ops.bench --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
     --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
-  timeout ${T6C:-200} python3 -m ops.bench --out $OUT/kern --check --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1 \
+  timeout ${T6C:-200} python3 -m ops.bench --out $OUT/kern --check --types ${C6:-IQ4_XS,IQ4_NL,Q5_K} --batches 1 \
     --impls pallas --parts b --layers 2 --iters 1 2>&1 | grep --line-buffered "^check" ;;
 8)  # issue 6, PART 4 made to fit (a 1,024-token prompt through slots runs at ~80 tok/s: 13 s a run): the seed's
     # 24 GiB card on seed-mtp at depth 256, ring 32K and 48K, MTP off and on (replay k = 3), one seed
   timeout ${T8:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
-    --expert_cache auto --rings 32768,49152 --drafts none,replay@3 --depths 256 --max_new_tokens 64 --seeds 1 \
+    --expert_cache auto --rings 49152,32768 --drafts none,replay@3 --depths 256 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xcache.jsonl 2>&1 | filt | tail -12 ;;
 9)  # issue 6: the 30B slot sweep with the prefill/decode split of the cache counters (commit 21b9083), a short
     # prompt (64 tokens: prefill through slots is slow) so that four arms fit
   timeout ${T9:-560} python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
-    --expert_cache all,4096,2048,1024 --rings 4096 --drafts none --depths 64 --max_new_tokens 64 --seeds 1 \
+    --expert_cache ${X9:-1024,all} --rings 4096 --drafts none --depths 64 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
 7)  # issue 7 (decode goal at 32K): decode-attention variants (MMA scheme, tile, warps, stages, splits) on the
     # 30B attention shape, int8 KV, T = 1 and T = 8; then the step with the current kernel, bf16x2 and the
