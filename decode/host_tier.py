@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from decode.kv_ring import KVRing, layer_arrays
-from ops.attention import in_host_memory, on_device
+from ops.attention import in_host_memory
 
 HOST_BLOCK = 4096          # positions per block of attention over the tier (tier_block)
 # Evict under one lax.cond per step (evict_leaving). Off by default until it has run on a GPU (a conditional
@@ -47,27 +47,26 @@ class HostTier:
   def evict(self, ring: KVRing, layer: int, pos_T: jax.Array) -> "HostTier":
     """Copy positions pos_T - W (those >= 0) of `layer` from the ring (before pos_T overwrite anything).
 
-    pos_T are consecutive (a step, a verify pass, a prefill chunk). The tier's T rows from s = clip(pos_T[0] - W)
-    are read, the evicted positions among them replaced from the ring, and the T rows written back: one small
-    dynamic slice and one dynamic update per array, the only operations a tier in host memory takes inside
-    jit (no scatter, no arithmetic there)."""
+    pos_T are consecutive (a step, a verify pass, a prefill chunk). The T tier rows from s = clip(pos_T[0] - W)
+    are written from the ring slots of positions s .. s + T - 1: one gather on the device, one transfer and one
+    dynamic update per array, and nothing read back from the tier (the only operation a tier in host memory
+    takes inside jit is that update). Rows written are either evicted now (their ring slot still holds them:
+    a slot is overwritten R >= W positions later) or, while pos_T[0] < W, positions still inside the window:
+    attention reads the tier below written - W only, and those rows are written again, equal, when they
+    leave. Needs pos_T[-1] - W < capacity (the engine sizes the tier to max_context plus slack)."""
     W, R, C = ring.window, ring.capacity, self.capacity
     T = pos_T.shape[0]
-    old0 = pos_T[0] - W
-    s = jnp.clip(old0, 0, C - T)
+    s = jnp.clip(pos_T[0] - W, 0, C - T)
     pos = s + jnp.arange(T, dtype=jnp.int32)
-    take = (pos >= old0) & (pos < old0 + T)             # evicted now (positions >= 0 by construction)
 
     def copy(tier, rng):
       if tier is None:
         return None
       a = tier[layer]
-      idx = (s,) + (0,) * (a.ndim - 1)
-      cur = on_device(jax.lax.dynamic_slice(a, idx, (T,) + a.shape[1:]))
-      new = jnp.where(take.reshape((T,) + (1,) * (a.ndim - 1)), rng[layer][pos % R], cur)
+      new = rng[layer][pos % R]
       if in_host_memory(a):
         new = jax.device_put(new, jax.memory.Space.Host)
-      return tier[:layer] + (jax.lax.dynamic_update_slice(a, new, idx),) + tier[layer + 1:]
+      return tier[:layer] + (jax.lax.dynamic_update_slice(a, new, (s,) + (0,) * (a.ndim - 1)),) + tier[layer + 1:]
 
     return self.replace(k=copy(self.k, ring.k), v=copy(self.v, ring.v), k_scale=copy(self.k_scale, ring.k_scale),
                         v_scale=copy(self.v_scale, ring.v_scale))
