@@ -295,7 +295,9 @@ def main(argv):
     for arm in tqdm(arms, desc="cells", unit="arm", file=sys.stderr):
       try:
         t0 = time.time()
-        run_cell(model, arm, seed=-1, max_new=min(FLAGS.max_new_tokens, 16))          # compile
+        # compile: the same max_new_tokens as the timed runs, whose decode buffer (engine._buffer_size) is then
+        # the same shape; a shorter compile run made the first timed run compile the decode loop again
+        run_cell(model, arm, seed=-1, max_new=FLAGS.max_new_tokens)
         compile_s = time.time() - t0
         print(f"arm {arm.name}: first (compiling) run {compile_s:.1f} s", file=sys.stderr)
         for seed in range(FLAGS.seeds):

@@ -29,3 +29,23 @@ def test_bench_cells_table_and_records(tmp_path):
       assert bm["draft_bytes"] == 0 and 1.0 < bm["round_over_step"] < 3.0     # union of 3 tokens' experts
   out = r.stdout
   assert "| vs plain (bytes model) |" in out and "x (model " in out and "6 slots" in out
+
+
+def test_compile_run_leaves_the_timed_runs_nothing_to_compile():
+  """The bench's untimed first run of an arm compiles every function its timed runs call (same decode buffer,
+  ring and prefill chunk), so a timed run adds no entry to the decode loop's compile cache."""
+  from decode import bench, engine
+  from model.loader import default_model_path, load_model
+  bench.FLAGS(["bench", "--max_new_tokens", "20", "--max_context", "4096"])
+  try:
+    model = load_model(default_model_path())
+    arm = bench.Arm("R2048-none", ring="2048", depth=40)
+    bench.run_cell(model, arm, seed=-1, max_new=bench.FLAGS.max_new_tokens)       # as bench.main's compile run
+    before = engine.decode_loop._cache_size()
+    st = bench.run_cell(model, arm, seed=0, max_new=bench.FLAGS.max_new_tokens)
+    assert st["generated_tokens"] == 20
+    assert engine.decode_loop._cache_size() == before
+    shorter = bench.run_cell(model, arm, seed=0, max_new=16)                      # the old compile run's size
+    assert shorter["generated_tokens"] == 16 and engine.decode_loop._cache_size() == before + 1
+  finally:
+    bench.FLAGS.unparse_flags()
