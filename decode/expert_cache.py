@@ -246,42 +246,46 @@ def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: 
            n_experts: int):
   """Make experts ids_M of `block` resident; returns (slot ids [M], cache). Slots needed by this call are never
   evicted by it (requires M <= the pool's slots). A miss copies its expert's rows from the store (gate, up, down:
-  the params' tensors, possibly in pinned host memory) into the evicted slot; a hit moves nothing."""
+  the params' tensors, possibly in pinned host memory) into the evicted slot; a hit moves nothing.
+
+  Hits, victims and stamps are computed for all M entries at once; only the copies run in a loop, one iteration
+  per distinct missing expert (`lax.while_loop` with the miss count as its bound). On a GPU each loop test and
+  each conditional waits for the device, so the count of those waits per layer is what a cached step pays
+  beyond its copies: misses + 1 here (an earlier version looped over all M entries with a conditional each:
+  2 M waits). Victims: the misses, in entry order, take the slots with the lowest stamp (LRU clock or LFU
+  count) among those no hit of this call uses, lowest slot first on ties."""
   p = cache.pool_of_block[block]
   pool = cache.pools[p]
   S = pool.n_slots
-  clock = cache.clock + 1
-
-  def one(m, carry):
-    pool, slot_of, used, hits, misses, out = carry
-    e = ids_M[m]
-    s = slot_of[block, e]
-    hit = s >= 0
-
-    def load(args):
-      pool, slot_of = args
-      score = jnp.where(used, _BIG, pool.stamp)
-      v = jnp.argmin(score).astype(jnp.int32)
-      old = pool.owner[v]
-      ob, oe = old // n_experts, old % n_experts
-      slot_of = jnp.where(old >= 0, slot_of.at[ob, oe].set(-1), slot_of)
-      put = lambda dst, src: tuple(jax.lax.dynamic_update_slice_in_dim(d, _fetch(s_, e), v, axis=0)  # noqa: E731
-                                   for d, s_ in zip(dst, _planes(src)))
-      pool = pool.replace(gate=put(pool.gate, gate), up=put(pool.up, up), down=put(pool.down, down),
-                          owner=pool.owner.at[v].set(block * n_experts + e), stamp=pool.stamp.at[v].set(0))
-      return (pool, slot_of.at[block, e].set(v)), v
-
-    (pool, slot_of), s = jax.lax.cond(hit, lambda a: (a, s), load, (pool, slot_of))
-    stamp = clock if cache.policy == "lru" else pool.stamp[s] + jnp.where(used[s], 0, 1)
-    pool = pool.replace(stamp=pool.stamp.at[s].set(stamp))
-    return pool, slot_of, used.at[s].set(True), hits + hit, misses + (~hit), out.at[m].set(s)
-
   M = ids_M.shape[0]
-  init = (pool, cache.slot_of, jnp.zeros((S,), bool), jnp.int32(0), jnp.int32(0), jnp.zeros((M,), jnp.int32))
-  pool, slot_of, _, h, mi, slots = jax.lax.fori_loop(0, M, one, init)
-  pools = cache.pools[:p] + (pool,) + cache.pools[p + 1:]
-  return slots, cache.replace(pools=pools, slot_of=slot_of, clock=clock, hits=cache.hits.at[block].add(h),
-                              misses=cache.misses.at[block].add(mi), steps=cache.steps.at[block].add(1))
+  clock = cache.clock + 1
+  m_M = jnp.arange(M)
+  slot_M = cache.slot_of[block, ids_M]
+  first_M = ~jnp.any((ids_M[:, None] == ids_M[None, :]) & (m_M[None, :] < m_M[:, None]), axis=1)
+  miss_M = first_M & (slot_M < 0)
+  n_miss = jnp.sum(miss_M).astype(jnp.int32)
+  held = jnp.zeros((S,), bool).at[jnp.where(slot_M >= 0, slot_M, S)].set(True, mode="drop")
+  victims = jnp.argsort(jnp.where(held, _BIG, pool.stamp), stable=True)[:M].astype(jnp.int32)
+  missing = jnp.nonzero(miss_M, size=M, fill_value=0)[0]          # entry index of the i-th distinct miss
+
+  def load(carry):
+    i, pool, slot_of = carry
+    v, e = victims[i], ids_M[missing[i]]
+    old = pool.owner[v]
+    slot_of = jnp.where(old >= 0, slot_of.at[old // n_experts, old % n_experts].set(-1), slot_of)
+    put = lambda dst, src: tuple(jax.lax.dynamic_update_slice_in_dim(d, _fetch(s_, e), v, axis=0)  # noqa: E731
+                                 for d, s_ in zip(dst, _planes(src)))
+    pool = pool.replace(gate=put(pool.gate, gate), up=put(pool.up, up), down=put(pool.down, down),
+                        owner=pool.owner.at[v].set(block * n_experts + e), stamp=pool.stamp.at[v].set(0))
+    return i + 1, pool, slot_of.at[block, e].set(v)
+
+  _, pool, slot_of = jax.lax.while_loop(lambda c: c[0] < n_miss, load, (jnp.int32(0), pool, cache.slot_of))
+  slots = slot_of[block, ids_M]
+  used = jnp.zeros((S,), bool).at[slots].set(True)
+  stamp = jnp.where(used, clock, pool.stamp) if cache.policy == "lru" else pool.stamp + used.astype(jnp.int32)
+  pools = cache.pools[:p] + (pool.replace(stamp=stamp),) + cache.pools[p + 1:]
+  return slots, cache.replace(pools=pools, slot_of=slot_of, clock=clock, hits=cache.hits.at[block].add(M - n_miss),
+                              misses=cache.misses.at[block].add(n_miss), steps=cache.steps.at[block].add(1))
 
 
 def pool_tensors(cache: ExpertCache, block: int, gate: QTensor, up: QTensor, down: QTensor):

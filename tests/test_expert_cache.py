@@ -102,6 +102,50 @@ def test_lru_misses_equal_an_independent_simulation():
   assert [got[il] for il in sorted(ids)] == [misses[il] for il in sorted(ids)]
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_ensure_against_a_python_cache_with_repeated_ids(policy):
+  """`ensure` on calls of M = 6 ids with repeats (as a verify pass or a prefill chunk routes), over 8 slots of
+  two blocks' experts, against a plain-Python cache with the documented rule: a call's distinct missing experts,
+  in entry order, take the slots of lowest stamp among those no hit of the call holds (lowest slot on ties);
+  LRU stamps every used slot with the call's clock, LFU adds one per call to each used slot (a load starts at
+  0). Slots returned, owners, stamps and the hit/miss counters must agree after every call."""
+  m = _m("glm4moe", "IQ3_S")
+  blocks = xc.expert_blocks(m.cfg)[:2]
+  S, E, M = 8, m.cfg.n_experts, 6
+  cache = xc.create(m.params, m.cfg, S, policy)
+  assert len(cache.pools) == 1 and cache.pools[0].n_slots >= S
+  S = cache.pools[0].n_slots
+  owner, stamp, clock = [-1] * S, [0] * S, 0
+  hits = {b: 0 for b in blocks}
+  misses = dict(hits)
+  rng = np.random.default_rng(7)
+  for call in range(40):
+    b = blocks[call % 2]
+    ids = [int(i) for i in rng.integers(0, min(E, 10), M)]              # few distinct ids: repeats and hits
+    ffn = xc._block_ffn(m.params, m.cfg, b)
+    got, cache = xc.ensure(cache, b, jnp.asarray(ids, jnp.int32), ffn["gate_exps"], ffn["up_exps"],
+                           ffn["down_exps"], E)
+    clock += 1
+    where = {o: s for s, o in enumerate(owner) if o >= 0}
+    held = {where[b * E + e] for e in ids if b * E + e in where}
+    new = [e for i, e in enumerate(ids) if e not in ids[:i] and b * E + e not in where]
+    free = sorted((s for s in range(S) if s not in held), key=lambda s: (stamp[s], s))
+    for e, v in zip(new, free):
+      owner[v], stamp[v] = b * E + e, 0
+      where[b * E + e] = v
+    want = [where[b * E + e] for e in ids]
+    for v in set(want):
+      stamp[v] = clock if policy == "lru" else stamp[v] + 1
+    hits[b] += M - len(new)
+    misses[b] += len(new)
+    assert np.asarray(got).tolist() == want, call
+    assert np.asarray(cache.pools[0].owner).tolist() == owner, call
+    assert np.asarray(cache.pools[0].stamp).tolist() == stamp, call
+  st = cache.stats()
+  assert [st["hits"][b] for b in blocks] == [hits[b] for b in blocks]
+  assert [st["misses"][b] for b in blocks] == [misses[b] for b in blocks] and sum(misses.values()) > 10
+
+
 def test_speculative_and_plain_with_cache_equal_without():
   m = _m("glm4moe", "IQ3_S")
   prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1000, 16)]
