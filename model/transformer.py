@@ -93,7 +93,9 @@ class Attention(nn.Module):
       if host is None:
         o = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale)
       else:
-        o1, lse1 = attn_ops.attention_with_lse(q, *ring.layer(L), pos_T, length, None, block=attn_block, scale=scale)
+        # the ring's part on the decode kernel where it takes the call (as without a tier), with its log-sum-exp
+        o1, lse1 = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale,
+                                           with_lse=True)
         # the tier shows positions < written - window: clip the queries' causal bound to its last position
         hi = ring.length + T - ring.window - 1
         q_hi = jnp.minimum(pos_T, hi)

@@ -160,7 +160,7 @@ def default_impl(T: int) -> str:
 
 
 def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
-                   impl: str | None = None, layer=None):
+                   impl: str | None = None, layer=None, with_lse: bool = False):
   """Dispatcher: the Pallas decode kernel (ops/attention_pallas.py) or the jnp reference.
 
   impl (static): "ref" | "pallas" | "interpret" (the kernel in Pallas interpret mode, CPU tests) | None
@@ -170,6 +170,8 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
   makes XLA copy the whole layer (R-proportional bytes) before a custom call or a loop.
   Under the default impl, shapes the kernel does not take (see attention_pallas.supported) fall back to the
   reference; an explicit "pallas"/"interpret" raises instead.
+  with_lse (static): return (out, lse [T, Hq]) for an exact merge with another partial (the ring beside a host
+  tier); the reference then runs unchunked (attention_with_lse).
   """
   T, Hq, Dh = q_THD.shape
   chosen = impl or default_impl(T)
@@ -180,9 +182,12 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
     if why is None:
       return attention_pallas.ring_attention_pallas(
           q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
-          interpret=chosen == "interpret")
+          interpret=chosen == "interpret", with_lse=with_lse)
     if impl is not None:
       raise ValueError(f"ring_attention: impl={impl!r} cannot take this call: {why}")
+  if with_lse:
+    return attention_with_lse(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,
+                              scale=scale)
   if layer is None and T <= PREFILL_Q_CHUNK:
     return ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, block=block, scale=scale)
   return ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,

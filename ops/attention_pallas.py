@@ -218,16 +218,18 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bk", "n_splits", "count_visits",
-                                             "num_warps", "num_stages", "dots"))
+                                             "num_warps", "num_stages", "dots", "with_lse"))
 def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
                           block: int, scale: float, interpret: bool = False, bk: int | None = None,
                           n_splits: int | None = None, count_visits: bool = False, num_warps: int | None = None,
-                          num_stages: int | None = None, dots: str | None = None):
+                          num_stages: int | None = None, dots: str | None = None, with_lse: bool = False):
   """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref. Returns [T, Hq, Dh] float32.
 
   k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
   k_scale/v_scale: [(L,) R, Hkv] or None. bk, n_splits, num_warps, num_stages override the tuning table (tests,
   ops.bench_attention); dots picks the MMA scheme ("tf32x3" | "bf16x2", default DEFAULT_DOTS, see dots_for).
+  With with_lse, returns (out, lse [T, Hq]): the log-sum-exp of each row's scaled scores (-inf where no key was
+  visible), as ops.attention.attention_with_lse, for an exact merge with another partial (the host tier).
   With count_visits, also returns the number of tiles each program visited, [Hkv, S] int32.
   """
   if layer is None:
@@ -291,6 +293,10 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
   acc = jnp.sum(w[..., None] * o, axis=1)                      # [Hkv, TG, Dh]
   out = acc / jnp.where(l_all > 0, l_all, 1.0)[..., None]
   out = out.reshape(Hkv, T, G, Dh).transpose(1, 0, 2, 3).reshape(T, Hq, Dh)
+  if with_lse:
+    m_all = m_all[:, 0]
+    lse = jnp.where(l_all > 0, m_all + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), -jnp.inf)
+    out = out, lse.reshape(Hkv, T, G).transpose(1, 0, 2).reshape(T, Hq)
   if count_visits:
     return out, outs[3][:, :, 0]
   return out

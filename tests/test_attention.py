@@ -201,6 +201,23 @@ def test_kernel_bf16x2_dots_match_reference(dtype, T, G, R, depth):
   assert err < one_bf16 / 20, (err, one_bf16)       # the split pays: far below one bf16 rounding of q
 
 
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+@pytest.mark.parametrize("T,G,R,depth", CASES)
+def test_kernel_lse_matches_reference(dtype, T, G, R, depth):
+  """with_lse: the kernel's (out, log-sum-exp) against the reference's attention_with_lse, through the
+  dispatcher as the model calls it beside a host tier."""
+  hkv = 2
+  ring = _ring(R, depth, dtype, hkv)
+  q, pos = _q(T, hkv * G), _pos(T, depth)
+  o_ref, lse_ref = attention.attention_with_lse(q, *_layer(ring), pos, depth, block=32, scale=SCALE)
+  o, lse = ring_attention(q, *_layer(ring), pos, depth, block=32, scale=SCALE, impl="interpret", with_lse=True)
+  assert lse.shape == (T, hkv * G)
+  np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=5e-5, atol=5e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-5, atol=1e-5)
+  o2, lse2 = ring_attention(q, *_layer(ring), pos, depth, block=32, scale=SCALE, impl="ref", with_lse=True)
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse_ref))
+
+
 def test_kernel_dots_refused_and_f32_ring_stays_tf32():
   ring = _ring(64, 50, "f32", 1)
   q, pos = _q(1, 2), _pos(1, 50)

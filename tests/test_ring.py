@@ -154,6 +154,32 @@ def test_host_tier_wrapping_ring_equals_full_cache(kv):
   assert err < (1e-5 if kv == "f32" else 1e-4)
 
 
+def test_host_tier_beside_the_attention_kernel_equals_full_cache(monkeypatch, request):
+  """With a host tier the ring's part of attention runs on the decode kernel (here in interpret mode, as on a
+  GPU in compiled mode) and returns its log-sum-exp for the merge with the tier's part: the same greedy tokens
+  as one ring holding everything, also on the kernel."""
+  from ops import attention, attention_pallas
+  calls = []
+  kernel = attention_pallas.ring_attention_pallas
+
+  def counted(*a, **kw):
+    calls.append(kw.get("with_lse", False))
+    return kernel(*a, **kw)
+
+  monkeypatch.setattr(attention, "default_impl", lambda T: "interpret" if T <= attention_pallas.MAX_T else "ref")
+  monkeypatch.setattr(attention_pallas, "ring_attention_pallas", counted)
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
+  m = _model()
+  prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1024, 300)]
+  big = generate(m, prompt, max_new_tokens=16, stop_at_eos=False, kv="int8", kv_resident=1024)
+  assert calls and not any(calls)
+  calls.clear()
+  small = generate(m, prompt, max_new_tokens=16, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  assert calls and all(calls)                  # every kernel call beside the tier asked for the lse
+  assert small.ids == big.ids
+
+
 @pytest.mark.parametrize("skip_idle", [False, True])
 def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_idle):
   """The tier placed in pinned_host memory (as on a GPU; jax's CPU client has the kind) runs the jitted steps
