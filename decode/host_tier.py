@@ -10,8 +10,9 @@ are placed in pinned host memory (`place_on_host`); on CPU it is ordinary memory
 kind. Inside the jitted step a tier in host memory takes only dynamic slices and updates: attention slices the
 visited blocks (`tier_block` positions each, live positions only) and moves them to the device, and `evict`
 writes T rows back. Measured on the GPU (docs/PERF.md, "Decode step against ring capacity and depth"): the step
-runs and is exact, but its time fits XLA moving a layer's whole tier array once a block is visited (~230 ms
-per step at C = 139,264), not the visited blocks; the fix is open.
+runs and is exact but was slow (~230 ms at 32K depth), which the ring's part of attention running as a jnp
+block loop beside the tier accounts for; it now runs on the decode kernel (unmeasured). Each tier block read
+crosses PCIe (4 MB per 4,096 positions and layer at int8), the tier's inherent cost.
 """
 from __future__ import annotations
 
