@@ -9,8 +9,9 @@
 #   1. `pair.sh 3 8` with T8=560: the seed's four arms on the GPU (issue 7 item 3: never completed; the run with
 #      the host-tier cond wrote nothing in 300 s) and the expert cache's missing cells (issue 6 item 4: ring
 #      48K, MTP on with slots).
-#   2. `pair.sh 1 2`: fused q/k/v A/B, host tier with and without the cond (and its HLO), replay k = 1/3 and
-#      lookup after the draftless-step change, prefill chunk 4/16.
+#   2. `pair.sh 1 2`: fused q/k/v A/B, the host tier after its two changes (1K..128K; the cond at 1K), replay
+#      k = 1/3 and lookup after the draftless-step change (and the bf16x2 attention: acceptance must stay 100 %),
+#      prefill chunk 4/16.
 #   3. `pair.sh 9 6`: the 1,024-slot arm of the 30B sweep; the GPU --check of IQ4_XS, IQ4_NL, Q5_K.
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
@@ -21,19 +22,14 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call th
 filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
 S30="python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl"
 case "${PART:-1}" in
-1)  # issue 7: fused q/k/v A/B, Q4_K experts; issue 4: host tier with and without the idle-evict cond, its HLO
-  timeout 110 $S30 --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4          # fused
-  timeout 110 $S30 --nofuse_qkv --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4
-  timeout 110 $S30 --experts Q4_K --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4
-  for sk in --host_skip_idle --nohost_skip_idle; do        # the idle-evict cond (host_tier.SKIP_IDLE_EVICT) vs not
-    timeout 100 $S30 --steps 16 $sk --cells 32768:1024:auto:pallas:139264,32768:8192:auto:pallas:139264,32768:65536:auto:pallas:139264 2>&1 \
-      | filt | tee -a $OUT/host.log | grep -v "^$" | tail -4
-  done
-  # where the tier's bytes move: the optimized HLO of a host-tier step (S(5) = host memory space)
-  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" timeout 90 \
-    $S30 --steps 4 --repeats 1 --out /tmp/x.jsonl --cells 32768:65536:auto:pallas:139264 2>&1 | filt | tail -2
-  f=$(ls -S /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -1)
-  [ -n "$f" ] && grep -E "S\(5\)" $f | grep -vE "^\s*ROOT tuple|parameter\(" | cut -c1-300 | head -200 > $OUT/tier_hlo.txt
+1)  # issue 7: fused q/k/v A/B; issue 4: the host tier since commit 1496654 (ring part on the decode kernel,
+    # write-only evict), 1K..128K, plain evict first, then the idle-evict cond (its own timeout: a seed4 run with
+    # the cond wrote nothing in 300 s)
+  timeout 100 $S30 --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4          # fused
+  timeout 100 $S30 --nofuse_qkv --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4
+  H=32768:1024:auto:pallas:139264,32768:32768:auto:pallas:139264,32768:65536:auto:pallas:139264,32768:131072:auto:pallas:139264
+  timeout 170 $S30 --steps 16 --nohost_skip_idle --cells $H 2>&1 | filt | tee -a $OUT/host.log | grep -v "^$" | tail -6
+  timeout 120 $S30 --steps 16 --host_skip_idle --cells ${H%%,*} 2>&1 | filt | tee -a $OUT/host.log | grep -v "^$" | tail -3
   ;;
 2)  # issue 5: k = 1 and 3 in one run with their plain arm, lookup with draftless rounds as plain steps; issue 7:
     # prefill chunk 4 and 16 against the default 8 (16 runs the reference attention: the kernel takes T <= 8)
