@@ -146,7 +146,8 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
                  prefill_chunk: int = 1024) -> tuple[MemoryPlan, int | None]:
   """The plan of one request and the expert-cache slots it gives: (plan, slots or None for all resident).
 
-  expert_cache: "all" | "auto" (slots from what is free after everything else) | a number of slots.
+  expert_cache: "all" | "auto" (slots from what is free after everything else; all resident, slots None, when
+  every expert fits) | a number of slots.
   prefill_chunk: tokens per prefill call (the workspace; the engine's is decode.engine.prefill_chunk(gen))."""
   total, experts = param_bytes(model.params)
   base = dict(weight_bytes=total, expert_bytes=experts, ring=ring, kv=kv, max_context=max_context,
@@ -160,7 +161,9 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
     probe = make_plan(model.cfg, **base, expert_cache_bytes=0)
     if budget is None:
       return make_plan(model.cfg, **base).check(), None      # no budget known (CPU): everything resident
-    slots = min(n_experts_total, max(0, probe.free // slab))
+    if probe.free // slab >= n_experts_total:                # every expert fits: all resident, no cache to run
+      return make_plan(model.cfg, **base).check(), None
+    slots = max(0, probe.free // slab)
   else:
     slots = int(expert_cache)
   if slots < model.cfg.top_k:

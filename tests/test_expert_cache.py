@@ -146,6 +146,23 @@ def test_ensure_against_a_python_cache_with_repeated_ids(policy):
   assert [st["misses"][b] for b in blocks] == [misses[b] for b in blocks] and sum(misses.values()) > 10
 
 
+def test_auto_slots_from_the_plan():
+  """--expert_cache auto: no budget (CPU) or a budget that holds every expert -> all resident (None, no cache to
+  run); a tighter budget -> the slots that fit what is left after everything else, fewer than all."""
+  from decode.kv_plan import GiB, plan_request
+  m = _m("glm4moe", "IQ3_S")
+  kw = dict(ring=1024, kv="int8", max_context=None, mtp_window=None, k=0, expert_cache="auto", prefill_chunk=8)
+  total = len(xc.expert_blocks(m.cfg)) * m.cfg.n_experts
+  slab = max(xc.slab_bytes(m.params, m.cfg).values())
+  assert plan_request(m, **kw, budget=None)[1] is None
+  assert plan_request(m, **kw, budget=64 * GiB)[1] is None
+  everything = plan_request(m, **kw, budget=None)[0].device_bytes
+  budget = everything - (total // 2) * slab
+  plan, slots = plan_request(m, **kw, budget=budget)
+  assert m.cfg.top_k <= slots < total and plan.free < slab <= plan.free + slab
+  assert plan.get("expert cache slots") == slots * slab
+
+
 def test_speculative_and_plain_with_cache_equal_without():
   m = _m("glm4moe", "IQ3_S")
   prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1000, 16)]
