@@ -142,7 +142,7 @@ def _drafter(cfg) -> str:
 def _plan(model, gen, n_prompt: int, drafter: str):
   """The request's memory plan (refused over budget) and the expert-cache slots it gives."""
   from decode.engine import prefill_chunk, ring_capacity
-  from decode.kv_plan import GiB, device_budget, plan_request
+  from decode.kv_plan import GiB, PlanError, device_budget, plan_request
   if FLAGS.expert_cache not in ("all", "auto"):
     _int_flag("expert_cache", FLAGS.expert_cache, "all or auto")     # a number of slots, else one line
   k = FLAGS.mtp_draft if drafter != "none" else 0
@@ -153,10 +153,19 @@ def _plan(model, gen, n_prompt: int, drafter: str):
   plan, slots = plan_request(model, ring=ring, **kw)
   if FLAGS.plan and plan.budget is not None:
     out = sys.stderr if FLAGS.json else sys.stdout
-    line = f"{plan.free / GiB:.2f} GiB free" + (f", {slots} expert slots" if slots is not None else "")
-    bigger, s2 = plan_request(model, ring=ring + 16384, **kw)
-    print(f"plan: {line}; ring +16K ({ring} -> {ring + 16384}): {plan.free / GiB:.2f} -> {bigger.free / GiB:.2f} GiB"
-          + (f", {slots} -> {s2} slots" if slots is not None else ""), file=out)
+    name = lambda n: "all experts" if n is None else f"{n} expert slots"  # noqa: E731
+    changes = [(f"ring +16K ({ring} -> {ring + 16384})", dict(kw, ring=ring + 16384))]
+    if kw["mtp_window"]:
+      w = kw["mtp_window"]
+      changes.append((f"MTP window x2 ({w} -> {2 * w})", dict(kw, ring=ring, mtp_window=2 * w)))
+    moves = []
+    for what, kw2 in changes:       # what a change of ring or drafter window moves (the seed's plan line)
+      try:
+        p2, s2 = plan_request(model, **kw2)
+        moves.append(f"{what}: {plan.free / GiB:.2f} -> {p2.free / GiB:.2f} GiB free, {name(slots)} -> {name(s2)}")
+      except PlanError as e:
+        moves.append(f"{what}: does not fit ({e})")
+    print(f"plan: {plan.free / GiB:.2f} GiB free, {name(slots)}; " + "; ".join(moves), file=out)
   return plan, slots
 
 

@@ -57,3 +57,35 @@ def test_orbax_cache_skips_gguf_and_gives_identical_logits(tmp_path, monkeypatch
     outs.append(np.asarray(logits))
   np.testing.assert_array_equal(outs[0], outs[1])
   assert second.tokenizer.encode("hello world") == first.tokenizer.encode("hello world")
+
+
+def test_plan_line_says_what_a_bigger_ring_or_window_moves():
+  """`generate --plan --expert_cache auto --device_budget B` prints free GiB and slots and what ring +16K and a
+  doubled MTP window move (the seed's "18.09 -> 17.92 GiB free, 7,957 -> 7,862 slots"). On the default model
+  (5.4 MB of experts, 2 KB of bf16 K/V per token) 41 MiB holds everything at ring 1,024 but not at 17,408: the
+  line gives the slots that budget leaves there, counted here from the plan's own byte items. At 20 MiB the
+  bigger ring does not fit at all; the line says so and the request still runs."""
+  from decode import expert_cache as xc
+  from decode.kv_plan import make_plan, param_bytes
+  MiB = 1 << 20
+  m = load_model(loader.default_model_path())
+
+  def plan(budget):
+    r = subprocess.run([sys.executable, "-m", "decode.generate", "--plan", "--expert_cache", "auto",
+                        "--device_budget", budget, "--max_new_tokens", "4", "--prompt", "hello"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return next(line for line in r.stdout.splitlines() if line.startswith("plan: ")), r.stdout
+
+  line, _ = plan("41MiB")
+  total, experts = param_bytes(m.params)
+  slab = max(xc.slab_bytes(m.params, m.cfg).values())
+  big = make_plan(m.cfg, weight_bytes=total, expert_bytes=experts, ring=1024 + 16384, kv="bf16", mtp_window=4096,
+                  k=3, expert_cache_bytes=0, prefill_chunk=len(m.tokenizer.encode("hello")))
+  want = (41 * MiB - big.device_bytes) // slab
+  assert 2 <= want < len(xc.expert_blocks(m.cfg)) * m.cfg.n_experts
+  assert "all experts; ring +16K (1024 -> 17408): " in line and f"all experts -> {want} expert slots" in line, line
+  assert "MTP window x2 (4096 -> 8192): " in line
+  line, out = plan("20MiB")
+  assert "ring +16K (1024 -> 17408): does not fit (memory plan:" in line, line
+  assert "[4 tokens" in out
