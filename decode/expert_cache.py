@@ -265,7 +265,9 @@ def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: 
   miss_M = first_M & (slot_M < 0)
   n_miss = jnp.sum(miss_M).astype(jnp.int32)
   held = jnp.zeros((S,), bool).at[jnp.where(slot_M >= 0, slot_M, S)].set(True, mode="drop")
-  victims = jnp.argsort(jnp.where(held, _BIG, pool.stamp), stable=True)[:M].astype(jnp.int32)
+  # the M lowest scores, lowest slot first on ties (lax.top_k keeps the lower index first): one small kernel,
+  # where a full sort of the pool's S stamps (16K slots on seed-mtp at 24 GiB) would run per layer and step
+  victims = jax.lax.top_k(-jnp.where(held, _BIG, pool.stamp), M)[1].astype(jnp.int32)
   missing = jnp.nonzero(miss_M, size=M, fill_value=0)[0]          # entry index of the i-th distinct miss
 
   def load(carry):
