@@ -12,7 +12,9 @@
 #   2. `pair.sh 1 2`: fused q/k/v A/B, the host tier after its two changes (1K..128K; the cond at 1K), replay
 #      k = 1/3 and lookup after the draftless-step change (and the bf16x2 attention: acceptance must stay 100 %),
 #      prefill chunk 4/16.
-#   3. `pair.sh 9 6`: the 1,024-slot arm of the 30B sweep; the GPU --check of IQ4_XS, IQ4_NL, Q5_K.
+#   3. `pair.sh 9 6` (T6=0): the 1,024-slot arm of the 30B sweep; the GPU --check of IQ4_XS, IQ4_NL, Q5_K.
+#   4. `pair.sh 10 7`: Q8_0 projection tiles at the 30B shapes (issue 7's 1K goal); the attention sweep and step
+#      A/B again (after the with_lse change).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
 set -o pipefail
@@ -73,6 +75,15 @@ case "${PART:-1}" in
   timeout ${T9:-560} python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
     --expert_cache ${X9:-1024,all} --rings 4096 --drafts none --depths 64 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
+10) # issue 7 (the 1K goal): Q8_0 projection tiles at the 30B shapes, fused q/k/v (N 5,120, K 2,048) and o (N 2,048,
+    # K 4,096); in the model they run at ~1 TB/s. ops.bench's projection cells are unrolled since this commit
+  SW='[{"proj":{"BN":16,"S":32}},{"proj":{"BN":8,"S":32}},{"proj":{"BN":32,"S":32}},{"proj":{"BN":16,"S":64}},
+      {"proj":{"BN":16,"S":16}},{"proj":{"BN":8,"S":64,"num_warps":2}},{"proj":{"BN":16,"S":32,"num_warps":8}},
+      {"proj":{"BN":16,"S":32,"num_stages":3}},{"proj":{"BN":8,"S":128}}]'
+  for sh in 2048,768,128,8,5120 4096,768,128,8,2048; do
+    timeout 240 python3 -m ops.bench --out $OUT/proj --types Q8_0 --batches 1 --parts a --impls pallas --layers 2 \
+      --sweep_layers 2 --shape $sh --sweep "$SW" --iters 20 2>&1 | filt | grep -E "^sweep|^copy|^\| Q8_0"
+  done ;;
 7)  # issue 7 (decode goal at 32K): decode-attention variants (MMA scheme, tile, warps, stages, splits) on the
     # 30B attention shape, int8 KV, T = 1 and T = 8; then the step with the current kernel, bf16x2 and the
     # fastest variant at 32K, interleaved in one process; then Q4_K experts (issue 7's second anchor)
