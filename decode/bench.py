@@ -27,7 +27,10 @@ import time
 
 from absl import app, flags, logging
 
+from ops.attention_pallas import is_spec
+
 FLAGS = flags.FLAGS
+
 flags.DEFINE_string("gguf", None, "model file (default: --preset's synthetic file, else the default model)")
 flags.DEFINE_string("preset", None, "write/reuse a synthetic file of this preset (configs.synth) under --synth_dir")
 flags.DEFINE_string("synth_dir", "/tmp/moejax-synth", "where synthetic files are written")
@@ -50,6 +53,8 @@ flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert-cache eviction
 flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
 flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
                     "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
+flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
+                         "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
 flags.DEFINE_bool("host_skip_idle", False, "host tier (max_context > ring): skip the per-step copy into the tier "
                   "while no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's, 8 on a "
@@ -157,6 +162,12 @@ def run_cell(model, arm: Arm, seed: int, max_new: int) -> dict:
     from decode.round_model import bytes_model
     st["bytes_model"] = bytes_model(model.params, model.cfg, k, arm.draft)
   return st
+
+
+def compile_run(model, arm: Arm) -> dict:
+  """The untimed first run of an arm: the same max_new_tokens as the timed runs, whose decode buffer
+  (engine._buffer_size) is then the same shape; a shorter compile run left the first timed run a recompile."""
+  return run_cell(model, arm, seed=-1, max_new=FLAGS.max_new_tokens)
 
 
 def _plan(model, arm: Arm, gen, k: int):
@@ -295,9 +306,7 @@ def main(argv):
     for arm in tqdm(arms, desc="cells", unit="arm", file=sys.stderr):
       try:
         t0 = time.time()
-        # compile: the same max_new_tokens as the timed runs, whose decode buffer (engine._buffer_size) is then
-        # the same shape; a shorter compile run made the first timed run compile the decode loop again
-        run_cell(model, arm, seed=-1, max_new=FLAGS.max_new_tokens)
+        compile_run(model, arm)
         compile_s = time.time() - t0
         print(f"arm {arm.name}: first (compiling) run {compile_s:.1f} s", file=sys.stderr)
         for seed in range(FLAGS.seeds):

@@ -22,7 +22,10 @@ import time
 
 from absl import app, flags, logging
 
+from ops.attention_pallas import is_spec
+
 FLAGS = flags.FLAGS
+
 flags.DEFINE_string("preset", "qwen3moe-30b-a3b", "model shape (configs.presets)")
 flags.DEFINE_string("experts", "IQ3_S", "routed expert type")
 flags.DEFINE_string("other", "Q8_0", "other matrices' type")
@@ -41,6 +44,8 @@ flags.DEFINE_bool("host_skip_idle", False, "host tier: evict under one lax.cond 
                   "no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
 flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
                     "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
+flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
+                         "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
 flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
                   "--nofuse_qkv runs three")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
@@ -165,8 +170,11 @@ def main(argv):
       p = with_kernels(params, kn)
       default_gpu = attention.DEFAULT_GPU_IMPL
       default_kernel = attention_pallas.DEFAULT_DOTS, dict(attention_pallas.TUNING)
-      if at.split("/")[0] in attention_pallas.DOTS:    # a kernel spec dots[/bk/warps/stages]: the kernel so tuned
-        attention_pallas.configure(at.replace("/", ":"))
+      spec = at.replace("/", ":") if at.split("/")[0] in attention_pallas.DOTS else None
+      if spec:                                    # a kernel spec dots[/bk/warps/stages]: the kernel so tuned
+        if not is_spec(spec):
+          raise app.UsageError(f"--cells: attention {at!r}, expected dots/bk/warps/stages")
+        attention_pallas.configure(spec)
         attention.DEFAULT_GPU_IMPL = "pallas"
       elif at != "auto":
         attention.DEFAULT_GPU_IMPL = at          # read at trace time; caches are cleared after each cell
@@ -189,8 +197,7 @@ def main(argv):
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
              "attn": at, "fuse_qkv": FLAGS.fuse_qkv,
-             "attn_kernel": (at.replace("/", ":") if at.split("/")[0] in attention_pallas.DOTS
-                             else FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS),
+             "attn_kernel": spec or FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
              "host_skip_idle": FLAGS.host_skip_idle if host_cap else None, "ms_per_step": ms,
              "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,

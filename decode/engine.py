@@ -197,7 +197,10 @@ def cache_counts(state: api.ModelState) -> dict | None:
   generate takes after prefill so that cache_stats can split the request into its two phases."""
   if state.experts is None:
     return None
-  st = state.experts.stats()
+  return _totals(state.experts.stats())
+
+
+def _totals(st: dict) -> dict:
   return {k: sum(st[k]) for k in ("hits", "misses", "bytes_moved")}
 
 
@@ -210,7 +213,7 @@ def cache_stats(state: api.ModelState, n_tokens: int, after_prefill: dict | None
     return None
   st = state.experts.stats()
   keys = ("hits", "misses", "bytes_moved")
-  total = {k: sum(st[k]) for k in keys}
+  total = _totals(st)
   rate = lambda c: c["hits"] / (c["hits"] + c["misses"]) if c["hits"] + c["misses"] else None
   if after_prefill is not None:
     dec = {k: total[k] - after_prefill[k] for k in keys}

@@ -74,13 +74,27 @@ def configure(spec: str) -> None:
   """Set the kernel's defaults from 'dots[:bk:warps:stages]' (benchmarks' --attn_kernel; read at trace time):
   DEFAULT_DOTS, and with the numbers the TUNING entry of every head_dim."""
   global DEFAULT_DOTS
-  parts = spec.split(":")
-  if parts[0] not in DOTS or len(parts) not in (1, 4):
-    raise ValueError(f"attention kernel spec {spec!r}, expected dots[:bk:warps:stages] with dots in {DOTS}")
-  DEFAULT_DOTS = parts[0]
-  if len(parts) == 4:
+  DEFAULT_DOTS, tune = parse_spec(spec)
+  if tune is not None:
     for dh in TUNING:
-      TUNING[dh] = tuple(int(x) for x in parts[1:])
+      TUNING[dh] = tune
+
+
+def is_spec(spec: str) -> bool:
+  """Whether `spec` parses (parse_spec), for flag validators."""
+  try:
+    parse_spec(spec)
+  except ValueError:
+    return False
+  return True
+
+
+def parse_spec(spec: str) -> tuple[str, tuple[int, int, int] | None]:
+  """'dots[:bk:warps:stages]' -> (dots, (bk, warps, stages) or None); ValueError names what was expected."""
+  parts = spec.split(":")
+  if parts[0] not in DOTS or len(parts) not in (1, 4) or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
+    raise ValueError(f"attention kernel spec {spec!r}, expected dots[:bk:warps:stages] with dots in {DOTS}")
+  return parts[0], (tuple(int(x) for x in parts[1:]) if len(parts) == 4 else None)
 
 
 def max_splits(n_kv_heads: int) -> int:

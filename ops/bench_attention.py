@@ -111,6 +111,10 @@ def main(argv):
   depths = sorted(int(d) for d in FLAGS.depths)
   caps = sorted(int(c) for c in FLAGS.capacities)
   impls = list(FLAGS.impls) + (["pallas_sliced"] if FLAGS.sliced else [])
+  try:
+    variants = [parse_variant(x) for x in FLAGS.variants]
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   q = jax.random.normal(jax.random.key(1), (T, Hq, Dh), jnp.float32)
   bk, warps, stages = attention_pallas.tuning(Dh, FLAGS.block)
   res = {}
@@ -126,7 +130,6 @@ def main(argv):
         res[(d, R, impl)] = us
         logging.info("depth %6d  R %6d  %-13s %9.1f us", d, R, impl, us)
     if R == caps[-1] and FLAGS.variants:
-      variants = [parse_variant(x) for x in FLAGS.variants]
       for d in depths:
         for name, var in zip(FLAGS.variants, variants):
           try:

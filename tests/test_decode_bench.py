@@ -40,7 +40,7 @@ def test_compile_run_leaves_the_timed_runs_nothing_to_compile():
   try:
     model = load_model(default_model_path())
     arm = bench.Arm("R2048-none", ring="2048", depth=40)
-    bench.run_cell(model, arm, seed=-1, max_new=bench.FLAGS.max_new_tokens)       # as bench.main's compile run
+    bench.compile_run(model, arm)                                                # bench.main's compile run
     before = engine.decode_loop._cache_size()
     st = bench.run_cell(model, arm, seed=0, max_new=bench.FLAGS.max_new_tokens)
     assert st["generated_tokens"] == 20
