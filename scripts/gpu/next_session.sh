@@ -68,7 +68,7 @@ case "${PART:-1}" in
 8)  # issue 6, PART 4 made to fit (a 1,024-token prompt through slots runs at ~80 tok/s: 13 s a run): the seed's
     # 24 GiB card on seed-mtp at depth 256, ring 32K and 48K, MTP off and on (replay k = 3), one seed
   timeout ${T8:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
-    --expert_cache auto --rings 49152,32768 --drafts none,replay@3 --depths 256 --max_new_tokens 64 --seeds 1 \
+    --expert_cache auto --rings ${R8:-49152,32768} --drafts ${D8:-none,replay@3} --depths 256 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xcache.jsonl 2>&1 | filt | tail -12 ;;
 9)  # issue 6: the 30B slot sweep with the prefill/decode split of the cache counters (commit 21b9083), a short
     # prompt (64 tokens: prefill through slots is slow) so that four arms fit
