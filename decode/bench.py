@@ -57,8 +57,8 @@ flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
                          "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
 flags.DEFINE_bool("host_skip_idle", False, "host tier (max_context > ring): skip the per-step copy into the tier "
                   "while no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
-flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's, 8 on a "
-                     "GPU, 2048 on CPU)")
+flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's: 1,024 on "
+                     "a GPU, 8 with expert slots, 2,048 on CPU)")
 flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
                   "synthetic: a fixed arithmetic token pattern; text: the standard library's documentation topics "
                   "(pydoc_data), tokenized, from a seed-dependent offset (real text, for models that learned it)")

@@ -128,28 +128,50 @@ def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, s
 
 
 PREFILL_CHUNK = 2048          # tokens per prefill call on CPU (GenConfig.prefill_chunk None)
-KERNEL_PREFILL_CHUNK = 8     # on a GPU: the decode kernels' batch (attention kernel T <= 8, MoE kernels B <= 16)
+KERNEL_PREFILL_CHUNK = 8      # on a GPU: the decode kernels' batch (attention kernel T <= 8, MoE kernels B <= 16)
+GEMM_PREFILL_CHUNK = 1024     # on a GPU without expert slots: full chunks through the tensor-core GEMMs
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def prefill_chunk(gen: GenConfig) -> int:
-  """Tokens per prefill call: gen.prefill_chunk, or by default KERNEL_PREFILL_CHUNK on a GPU (the prompt runs
-  through the Pallas decode kernels, 8 tokens a call: one small compile shared with every prompt length's
-  full chunks; measured on the H200 against one 1,024-token call in docs/PERF.md "Prefill") and PREFILL_CHUNK
-  elsewhere (CPU: one big call is fastest)."""
+  """Tokens per prefill call: gen.prefill_chunk, else the backend's default.
+
+  On a GPU: GEMM_PREFILL_CHUNK, so full chunks of the prompt run the tensor-core GEMMs (ops/qgemm_pallas,
+  ops/moe_grouped_pallas), or KERNEL_PREFILL_CHUNK with expert slots (every chunk's routed experts must be
+  resident at once, and the cache's path runs the decode kernels). The remainder after the full chunks runs 8
+  tokens a call (`prefill_tail`). On CPU: PREFILL_CHUNK (one big call is fastest). Measured on the H200 in
+  docs/PERF.md "Prefill"."""
   if gen.prefill_chunk is not None:
     if gen.prefill_chunk < 1:
       raise RequestError(f"prefill_chunk: {gen.prefill_chunk}, expected at least 1 token per call")
     return gen.prefill_chunk
-  return KERNEL_PREFILL_CHUNK if jax.default_backend() in ("gpu", "cuda", "rocm") else PREFILL_CHUNK
+  if _on_gpu():
+    return KERNEL_PREFILL_CHUNK if gen.expert_slots is not None else GEMM_PREFILL_CHUNK
+  return PREFILL_CHUNK
 
 
-def prefill_chunked(params, prompt: list[int], state: api.ModelState, cfg: ModelConfig, chunk: int):
-  """The prompt in chunks of at most `chunk` tokens (a ring with a host tier needs chunk <= its window; long
-  prompts also bound the activations). Returns (last logits [1, V], hidden [T, D], state)."""
-  hs, logits = [], None
-  for a in range(0, len(prompt), chunk):
-    logits, h, state = api.prefill(params, jnp.asarray(prompt[a:a + chunk], jnp.int32), state, cfg=cfg, last_only=True)
+def prefill_tail(chunk: int) -> int:
+  """Tokens per call for what is left after the full chunks: KERNEL_PREFILL_CHUNK on a GPU (one small compile
+  serves every remainder; a call of the remainder's own length would compile a graph per prompt length), the
+  chunk itself elsewhere (the remainder in one call)."""
+  return min(chunk, KERNEL_PREFILL_CHUNK) if _on_gpu() else chunk
+
+
+def prefill_chunked(params, prompt: list[int], state: api.ModelState, cfg: ModelConfig, chunk: int,
+                    tail: int | None = None):
+  """The prompt in calls of `chunk` tokens while at least `chunk` are left, then of `tail` (default chunk) tokens
+  (a ring with a host tier needs chunk <= its window; long prompts also bound the activations). Returns (last
+  logits [1, V], hidden [T, D], state)."""
+  hs, logits, a = [], None, 0
+  tail = tail or chunk
+  while a < len(prompt):
+    c = chunk if len(prompt) - a >= chunk else tail
+    logits, h, state = api.prefill(params, jnp.asarray(prompt[a:a + c], jnp.int32), state, cfg=cfg, last_only=True)
     hs.append(h)
+    a += c
   return logits, (hs[0] if len(hs) == 1 else jnp.concatenate(hs)), state
 
 
@@ -188,7 +210,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
   window = state.ring.window
   chunk = min(prefill_chunk(gen), window) if host else prefill_chunk(gen)
-  logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk)
+  logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk, prefill_tail(chunk))
   return Started(state, logits, hidden, cap, grow=not fixed)
 
 

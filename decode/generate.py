@@ -33,7 +33,7 @@ flags.DEFINE_integer("mtp_window", 4096, "the NextN drafter ring's sliding windo
 flags.DEFINE_enum("draft", "auto", ["auto", "mtp", "lookup", "replay", "none"],
                   "drafter: auto = mtp when --mtp on and the model has NextN, else none; replay proposes the plain "
                   "greedy continuation (run first, untimed) to measure the mechanics at 100 % acceptance")
-flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: 8 on a GPU, 2048 on CPU)")
+flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: 1,024 on a GPU, 8 with expert slots, 2,048 on CPU)")
 flags.DEFINE_bool("plan", False, "print the memory plan (kv_plan) before generating")
 flags.DEFINE_string("device_budget", None, "refuse plans over this many bytes of device memory (e.g. 24GiB)")
 flags.DEFINE_string("expert_cache", "all", "all (every expert resident), auto (device slots sized from the memory "

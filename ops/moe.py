@@ -9,9 +9,9 @@
 `_moe_dense` (every expert on every token, weighted by a combine weight that is zero for tokens that did not pick
 it: E/k times the FLOPs) is kept as a second reference. `moe` dispatches on the experts' `kernel` field:
 "pallas" / "interpret" run the fused Pallas kernels of ops/moe_pallas.py (gate+up+SiLU, then down with the
-router-weighted sum) for T <= 16 tokens and the grouped kernels of ops/moe_grouped_pallas.py (the tiles of
-`tile_layout`, 16 rows each) for more, when the types have kernels (gate and up of one type); the reference
-otherwise.
+router-weighted sum) for T <= 16 tokens and the grouped tensor-core GEMM of ops/moe_grouped_pallas.py (the
+tiles of `tile_layout`, 16-128 rows each) for more, when the types have kernels (gate and up of one type); the
+reference otherwise.
 """
 from __future__ import annotations
 
@@ -225,8 +225,8 @@ def moe_ref(x_TD, ids_TK, w_TK, gate, up, down):
 
 def moe(x_TD, ids_TK, w_TK, gate, up, down):
   """Dispatch on the experts' `kernel` field: "pallas" / "interpret" take the decode kernels (ops/moe_pallas)
-  for T <= 16 tokens and the grouped kernels (ops/moe_grouped_pallas: row tiles of one expert) for more, when
-  the types have kernels; everything else takes `moe_ref`."""
+  for T <= 16 tokens and the grouped tensor-core GEMM (ops/moe_grouped_pallas: row tiles of one expert) for more,
+  when the types have kernels; everything else takes `moe_ref`."""
   if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kernel in ("pallas", "interpret"):
     from ops import moe_grouped_pallas, moe_pallas
     interpret = gate.kernel == "interpret"

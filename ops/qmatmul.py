@@ -2,9 +2,10 @@
 
 `qmatmul_ref` is the reference: dequantize (bit-exact, ops/quant) then a float32 dot. The Pallas kernel that
 reads the packed planes in place is ops/qmatmul_pallas.py. `qmatmul` dispatches on `w.kernel`: "xla" is the
-reference; "pallas" (compiled, Triton lowering) and "interpret" (the same kernel in interpret mode, for CPU
-tests) run the kernel wherever it applies (a type in KERNEL_TYPES, 2-D weight, at most MAX_B rows of x) and
-the reference elsewhere (prefill of long prompts, Q5_0/Q5_1 fallback rows).
+reference; "pallas" (compiled, Triton lowering) and "interpret" (the same kernels in interpret mode, for CPU
+tests) run the FMA kernel for at most MAX_B rows of x (decode) and the tensor-core GEMM of ops/qgemm_pallas for
+more (prefill) wherever they apply (a type in KERNEL_TYPES, a 2-D weight), and the reference elsewhere (Q5_0/Q5_1
+fallback rows).
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def qmatmul_ref(x: jax.Array, w: QTensor) -> jax.Array:
 def qmatmul(x: jax.Array, w: QTensor) -> jax.Array:
   if w.kernel in ("pallas", "interpret"):
     from ops import qmatmul_pallas
-    if qmatmul_pallas.supported(w, math.prod(x.shape[:-1])):
+    rows = math.prod(x.shape[:-1])
+    if qmatmul_pallas.supported(w, rows):
       return qmatmul_pallas.qmatmul_pallas(x, w, interpret=w.kernel == "interpret")
+    from ops import qgemm_pallas
+    if rows > qmatmul_pallas.MAX_B and len(w.shape) == 2 and qgemm_pallas.supported(w):
+      return qgemm_pallas.qgemm_pallas(x, w, interpret=w.kernel == "interpret")
   return qmatmul_ref(x, w)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ops import moe as moe_ops
-from ops import moe_grouped_pallas, moe_pallas, qmatmul, qmatmul_pallas, quant, repack
+from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul, qmatmul_pallas, quant, repack
 from ops.qtensor import QTensor, with_kernels
 
 TYPES = qmatmul_pallas.KERNEL_TYPES
@@ -162,9 +162,14 @@ def test_dispatch_uses_kernel_field_and_falls_back():
   y = qmatmul.qmatmul(x, w.replace(kernel="interpret"))
   assert _relerr(y, r) < 1e-5
   big = jnp.asarray(rng.standard_normal((qmatmul_pallas.MAX_B + 1, 64)).astype(np.float32))
-  assert not qmatmul_pallas.supported(w, big.shape[0])
-  np.testing.assert_array_equal(np.asarray(qmatmul.qmatmul(big, w.replace(kernel="interpret"))),
-                                np.asarray(qmatmul.qmatmul_ref(big, w)))
+  assert not qmatmul_pallas.supported(w, big.shape[0]) and qgemm_pallas.supported(w)   # many rows: the GEMM
+  y = qmatmul.qmatmul(big, w.replace(kernel="interpret"))
+  assert _relerr(y, qmatmul.qmatmul_ref(big, w)) < 1e-5
+  assert not np.array_equal(np.asarray(y), np.asarray(qmatmul.qmatmul_ref(big, w)))   # not the reference
+  w32 = QTensor.from_gguf(quant.random_blocks("Q8_0", (16, 32), rng), "Q8_0", 32)      # 1 block: 8 < 16 values
+  assert not qgemm_pallas.supported(w32)
+  np.testing.assert_array_equal(np.asarray(qmatmul.qmatmul(big[:, :32], w32.replace(kernel="interpret"))),
+                                np.asarray(qmatmul.qmatmul_ref(big[:, :32], w32)))
   q5 = QTensor.from_gguf(quant.random_blocks("Q5_0", (4, 64), rng), "Q5_0", 64)     # no kernel: reference
   assert not qmatmul_pallas.supported(q5, 1)
 

@@ -1,0 +1,82 @@
+"""GPU probe of the tensor-core GEMMs (ops/qgemm_pallas, ops/moe_grouped_pallas): compiled kernel against the
+reference (float32 at HIGHEST), then timings against the paths they replace, one process (ratios within it).
+
+  python scripts/gpu/qgemm_check.py [--types Q8_0,IQ3_S,...] [--iters 20]
+Prints `check ...` lines (relative L2 error) and `time ...` lines (ms per call, median of iters)."""
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ops import moe as moe_ops
+from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul, quant
+from ops.qtensor import QTensor
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--types", default=",".join(qgemm_pallas.PIECES))
+ap.add_argument("--iters", type=int, default=20)
+ap.add_argument("--tiles", default="", help="extra qgemm overrides to time, e.g. 'BN=128,S=4;BN=32'")
+ap.add_argument("--small", action="store_true", help="CPU dry run: interpret mode, small shapes")
+args = ap.parse_args()
+INTERP = jax.default_backend() == "cpu"
+SZ = 8 if args.small else 1
+rng = np.random.default_rng(0)
+
+
+def timeit(f, *a):
+  jax.block_until_ready(f(*a))
+  ts = []
+  for _ in range(args.iters):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    ts.append(time.perf_counter() - t)
+  return 1e3 * float(np.median(ts))
+
+
+def rel(y, r):
+  return float(jnp.linalg.norm(y - r) / jnp.linalg.norm(r))
+
+
+def qt(qtype, shape):
+  return QTensor.from_gguf(quant.random_blocks(qtype, shape, rng), qtype, shape[-1]).replace(
+      kernel="interpret" if INTERP else "pallas")
+
+
+ref_mm = jax.jit(lambda x, w: jnp.einsum("tk,nk->tn", x, w.dense(jnp.float32), precision="highest"))
+for qtype in args.types.split(","):
+  w = qt(qtype, (5120 // SZ, 2048))
+  for T in (100, 1024 // SZ):
+    x = jnp.asarray(rng.standard_normal((T, 2048)), jnp.float32)
+    y = jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, interpret=INTERP))(x, w)
+    print(f"check qgemm {qtype} T={T} N=5120 K=2048: rel L2 {rel(y, ref_mm(x, w)):.2e}", flush=True)
+  x = jnp.asarray(rng.standard_normal((1024 // SZ, 2048)), jnp.float32)
+  t_k = timeit(jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, interpret=INTERP)), x, w)
+  t_r = timeit(ref_mm, x, w)
+  t_d = timeit(jax.jit(lambda x, w: qmatmul.qmatmul_ref(x, w)), x, w)
+  print(f"time qgemm {qtype} T=1024 N=5120 K=2048: pallas {t_k:.3f} ms, xla dequant+dot highest {t_r:.3f} ms, "
+        f"xla default {t_d:.3f} ms ({2 * 1024 * 5120 * 2048 / t_k / 1e9:.0f} TFLOP/s)", flush=True)
+  for spec in filter(None, args.tiles.split(";")):
+    ov = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    t = timeit(jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, overrides=ov, interpret=INTERP)), x, w)
+    print(f"time qgemm {qtype} T=1024 tiles {ov}: {t:.3f} ms", flush=True)
+
+# one Qwen3-30B-A3B expert layer (E 128, top-8, D 2048, F 768), T = 1024 tokens
+E, F, D, K = 128 // SZ, 768, 2048, 8
+for gq in [q for q in ("IQ3_S", "Q4_K") if q in args.types.split(",")]:
+  g, u, d = qt(gq, (E, F, D)), qt(gq, (E, F, D)), qt(gq, (E, D, F))
+  for T in (256 // SZ, 1024 // SZ):
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    wt = jnp.asarray(rng.random((T, K)), jnp.float32)
+    y = jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP))(x, ids, wt, g, u, d)
+    with jax.default_matmul_precision("highest"):
+      r = jax.jit(moe_ops.moe_ref)(x, ids, wt, g, u, d)
+    print(f"check moe_grouped {gq} T={T}: rel L2 {rel(y, r):.2e}", flush=True)
+    t_g = timeit(jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP)), x, ids, wt, g, u, d)
+    x8, i8, w8 = x[:8], ids[:8], wt[:8]
+    t_8 = timeit(jax.jit(functools.partial(moe_pallas.moe_pallas, interpret=INTERP)), x8, i8, w8, g, u, d)
+    print(f"time moe {gq} T={T}: grouped tensor-core {t_g:.3f} ms ({T / t_g * 1e3:.0f} tok/s per layer); decode "
+          f"kernels 8 tokens {t_8:.3f} ms ({8 / t_8 * 1e3:.0f} tok/s per layer)", flush=True)
