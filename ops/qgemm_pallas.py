@@ -22,7 +22,7 @@ float32 FMAs instead. Prefill feeds the ring that every later step reads, plain 
 changes no greedy-exactness invariant.
 
 Reference: ops/qmatmul.qmatmul_ref (dense) and ops/moe.moe_ref (grouped, via ops/moe_grouped_pallas). Tile sizes:
-`TUNING` (BN, S, warps) and M (rows per tile) from the caller. Tests: interpret mode on CPU against the references
+`TUNING` (BN, S, warps; both clipped to divisors of the rows and blocks) and M (rows per tile) from the caller. Tests: interpret mode on CPU against the references
 for every type, and lowering for an abstract CUDA and ROCm device (tests/test_lowering.py).
 """
 from __future__ import annotations
@@ -222,7 +222,7 @@ def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, 
   Ws = [dict(zip(names, w_refs[i * n:(i + 1) * n])) for i in range(2 if pair else 1)]
   nw = words(qtype)
   j = pl.program_id(1)
-  rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), N - 1)   # program ids outside pl.when
+  rows = pl.ds(pl.multiple_of(pl.program_id(0) * BN, BN), BN)     # BN divides N; program ids outside pl.when
 
   @pl.when(j < nt_ref[0])
   def _():
@@ -250,24 +250,31 @@ def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, 
       o_ref[pl.ds(r0, M), rows] = accs[0]
 
 
-def config(qtype: str, n_rows: int, nb: int, overrides: dict | None = None) -> dict:
-  """Tile sizes: TUNING[qtype] (+ overrides), BN clipped to the rows, S to the largest power of two dividing nb."""
-  c = dict(TUNING[qtype], **(overrides or {}))
-  c["BN"] = max(MIN_DOT, min(c["BN"], 1 << (max(n_rows, 1) - 1).bit_length()))
+def _pow2_divisor(n: int, cap: int) -> int:
+  """The largest power of two <= cap dividing n."""
   s = 1
-  while s * 2 <= c["S"] and nb % (s * 2) == 0:
+  while s * 2 <= cap and n % (s * 2) == 0:
     s *= 2
-  c["S"] = s
+  return s
+
+
+def config(qtype: str, n_rows: int, nb: int, overrides: dict | None = None) -> dict:
+  """Tile sizes: TUNING[qtype] (+ overrides), BN and S the largest powers of two up to theirs dividing the rows
+  and the blocks (tiles never straddle an edge: no masks, no clamped rows)."""
+  c = dict(TUNING[qtype], **(overrides or {}))
+  c["BN"] = _pow2_divisor(n_rows, c["BN"])
+  c["S"] = _pow2_divisor(nb, c["S"])
   return c
 
 
-def supported(w, n_weights: int = 1) -> bool:
-  """Whether a QTensor ([N, K] or experts [E, N, K]) can take this kernel (a type with pieces, and S * words
-  reaches the MMA's minimum extent)."""
+def supported(w) -> bool:
+  """Whether a QTensor ([N, K] or experts [E, N, K]) can take this kernel: a type with pieces, 16 | N, and
+  S * words reaching the MMA's minimum extent."""
   if w.qtype not in PIECES or len(w.shape) not in (2, 3):
     return False
   nb = w.shape[-1] // quant.GGML_TYPES[w.qtype][0]
-  return config(w.qtype, w.shape[-2], nb)["S"] * words(w.qtype) >= MIN_DOT
+  c = config(w.qtype, w.shape[-2], nb)
+  return c["BN"] >= MIN_DOT and c["S"] * words(w.qtype) >= MIN_DOT
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "N", "K", "M", "pair", "interpret", "cfg"))

@@ -133,11 +133,26 @@ def test_qmatmul_stacked_layer_index_matches_reference():
     assert _relerr(f(jnp.int32(l)), qmatmul.qmatmul_ref(x, w[l])) < 1e-5
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_qgemm_interpret_matches_reference(qtype):
+  """The tensor-core GEMM (dequantized pieces into bf16x3 dots) for 17 and 40 rows (padded row tiles) against
+  the float32 reference (N must be a multiple of 16: 37 rows take the reference): a piece whose values and x columns disagree in order would be far off."""
+  rng = np.random.default_rng(hash(qtype) % 2**32)
+  K, N = 512, 48                                                          # BN = 16: three row tiles
+  assert not qgemm_pallas.supported(QTensor.from_gguf(quant.random_blocks(qtype, (37, K), rng), qtype, K))
+  w = QTensor.from_gguf(quant.random_blocks(qtype, (N, K), rng), qtype, K)
+  for T in (17, 40):
+    x = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+    y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
+    assert y.shape == (T, N)
+    assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < 1e-5
+
+
 @pytest.mark.parametrize("gq,dq,T,E,K", [("IQ3_S", "Q4_K", 40, 8, 2), ("Q8_0", "Q6_K", 23, 5, 3),
                                          ("Q4_K", "IQ4_XS", 33, 6, 1)])
 def test_moe_grouped_interpret_matches_reference(gq, dq, T, E, K):
-  """The grouped prefill kernels (row tiles of one expert, 16 tokens each; an expert with no token, experts
-  spanning several tiles) against the reference."""
+  """The grouped prefill GEMM (row tiles of one expert, 16 rows each; an expert with no token, experts spanning
+  several tiles) against the reference."""
   rng = np.random.default_rng(T * E + K)
   F, D = 256, 512
   g = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
@@ -147,7 +162,7 @@ def test_moe_grouped_interpret_matches_reference(gq, dq, T, E, K):
   ids = np.stack([rng.choice(E - 1, K, replace=False) for _ in range(T)]).astype(np.int32)   # expert E-1: none
   w = jnp.asarray(rng.random((T, K)).astype(np.float32))
   ov = {"gateup": dict(BN=64), "down": dict(BN=128)}
-  y = moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), w, g, u, d, interpret=True, overrides=ov)
+  y = moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), w, g, u, d, interpret=True, overrides=ov, rows=16)
   assert _relerr(y, moe_ops.moe_ref(x, jnp.asarray(ids), w, g, u, d)) < 1e-5
   # dispatch: more than 16 tokens with kernel "interpret" takes the grouped kernels
   y2 = moe_ops.moe(x, jnp.asarray(ids), w, *(t.replace(kernel="interpret") for t in (g, u, d)))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from ops import moe_grouped_pallas, moe_pallas, qmatmul_pallas, quant, repack
+from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul_pallas, quant, repack
 from ops.qtensor import QTensor
 
 DEVICES = {"cuda": "NVIDIA H200", "rocm": "gfx942"}
@@ -69,9 +69,19 @@ def test_moe_stacked_and_split_k_lower(platform):
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("qtype", qmatmul_pallas.KERNEL_TYPES)
+def test_qgemm_lowers(qtype, platform):
+  """The tensor-core GEMM for prefill rows (bf16 dots of dequantized pieces) lowers for both GPU platforms."""
+  w = _abstract_qtensor(qtype, (5120, 2048))
+  x = jax.ShapeDtypeStruct((100, 2048), jnp.float32)
+  txt = _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), x, w)
+  assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
 @pytest.mark.parametrize("gq,dq", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS")])
 def test_moe_grouped_lowers(gq, dq, platform):
-  """The grouped prefill kernels (row tiles of one expert, 16 tokens each) lower for both GPU platforms."""
+  """The grouped prefill GEMM (row tiles of one expert) lowers for both GPU platforms."""
   g = _abstract_qtensor(gq, (128, 768, 2048))
   d = _abstract_qtensor(dq, (128, 2048, 768))
   x = jax.ShapeDtypeStruct((512, 2048), jnp.float32)

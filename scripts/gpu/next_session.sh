@@ -75,6 +75,16 @@ case "${PART:-1}" in
   timeout ${T9:-560} python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
     --expert_cache ${X9:-1024,all} --rings 4096 --drafts none --depths 64 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
+11) # issue 7 (the prefill goal): the tensor-core GEMMs of ops/qgemm_pallas, compiled check and kernel timings, then
+    # the 30B prefill through them (chunk 1,024; 256) against the decode kernels (chunk 8) in one process, with
+    # one traced run per chunk summarised per kernel (the traces themselves are deleted: too big to bring back)
+  timeout ${T11A:-220} python3 scripts/gpu/qgemm_check.py --types ${TY11:-Q8_0,IQ3_S,Q4_K} \
+    --tiles "${TL11:-BN=128;BN=32;BN=64,S=16}" > $OUT/qgemm.log 2>&1; grep -E "^(check|time)" $OUT/qgemm.log; tail -3 $OUT/qgemm.log
+  timeout ${T11B:-330} python3 scripts/gpu/prefill_probe.py --chunks ${C11:-8,256,1024} --profile $OUT/trace 2>&1 | filt \
+    | grep -v "^$" | tail -8
+  for c in $OUT/trace/chunk*; do f=$(find $c -name "*.json.gz" | head -1)
+    [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --top 20 > $c.summary.txt 2>&1; rm -rf $c; done
+  head -30 $OUT/trace/*.summary.txt ;;
 10) # issue 7 (the 1K goal): Q8_0 projection tiles at the 30B shapes, fused q/k/v (N 5,120, K 2,048) and o (N 2,048,
     # K 4,096); in the model they run at ~1 TB/s. ops.bench's projection cells are unrolled since this commit
   SW='[{"proj":{"BN":16,"S":32}},{"proj":{"BN":8,"S":32}},{"proj":{"BN":32,"S":32}},{"proj":{"BN":16,"S":64}},

@@ -1,0 +1,46 @@
+"""Prefill timing on a preset's shape, several chunk sizes in one process (ratios within it), optionally one
+traced run per chunk for scripts/gpu/trace_summary.py.
+
+  python scripts/gpu/prefill_probe.py --preset qwen3moe-30b-a3b --chunks 8,1024 --tokens 1024 [--profile DIR]
+Prints `prefill chunk C: X ms (Y tok/s), first run Z s` per chunk size."""
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import jax
+
+sys.argv, argv = sys.argv[:1], sys.argv[1:]      # decode.bench defines absl flags; keep ours out of them
+ap = argparse.ArgumentParser()
+ap.add_argument("--preset", default="qwen3moe-30b-a3b")
+ap.add_argument("--experts", default="IQ3_S")
+ap.add_argument("--chunks", default="8,1024")
+ap.add_argument("--tokens", type=int, default=1024)
+ap.add_argument("--repeats", type=int, default=3)
+ap.add_argument("--profile", default=None)
+args = ap.parse_args(argv)
+
+from decode import bench, engine  # noqa: E402
+from ops.qtensor import with_kernels  # noqa: E402
+
+model = bench._in_memory_model(args.preset, args.experts)
+model.params = with_kernels(model.params, "pallas" if jax.default_backend() != "cpu" else "interpret")
+prompt = [(7 * (i + 1)) % model.cfg.vocab_size for i in range(args.tokens)]
+for c in (int(v) for v in args.chunks.split(",")):
+  gen = engine.GenConfig(max_new_tokens=1, kv="int8", kv_resident=4096, prefill_chunk=c)
+  t = time.perf_counter()
+  jax.block_until_ready(engine.start_request(model, prompt, gen).logits)
+  first = time.perf_counter() - t
+  ts = []
+  for r in range(args.repeats + bool(args.profile)):
+    traced = args.profile and r == args.repeats
+    ctx = jax.profiler.trace(os.path.join(args.profile, f"chunk{c}"), create_perfetto_trace=True) if traced \
+        else contextlib.nullcontext()
+    with ctx:
+      t = time.perf_counter()
+      jax.block_until_ready(engine.start_request(model, prompt, gen).logits)
+      if not traced:
+        ts.append(time.perf_counter() - t)
+  ms = 1e3 * sorted(ts)[len(ts) // 2]
+  print(f"prefill chunk {c}: {ms:.1f} ms ({args.tokens / ms * 1e3:.0f} tok/s), first run {first:.1f} s", flush=True)
