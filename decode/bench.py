@@ -38,6 +38,8 @@ flags.DEFINE_string("experts", "IQ3_S", "expert type of the synthetic file")
 flags.DEFINE_bool("in_memory", False, "with --preset: random valid blocks built in memory instead of a GGUF file "
                   "(same params as writing and loading the synthetic file, without the multi-GB round trip)")
 flags.DEFINE_string("arms", None, "named arm set: seed4 | rings | depths | drafts (overrides the list flags)")
+flags.DEFINE_list("only", None, "run only these arms of the set (by name, e.g. AR,BR of seed4): a set split over "
+                  "several processes; the bars compare the arms that ran")
 flags.DEFINE_list("rings", ["auto"], "main ring capacities (kv_resident)")
 flags.DEFINE_list("drafts", ["none"], "drafters: none | mtp | lookup | replay, each optionally @k (drafts per round)")
 flags.DEFINE_list("kv", ["int8"], "KV dtypes")
@@ -92,6 +94,12 @@ SEED4_BARS = [("AS", "BS", 0.03, "decode tok/s"), ("AR", "BR", 0.03, "decode tok
 def _arms() -> tuple[list[Arm], list]:
   if FLAGS.arms in ("seed4", "seed4k"):
     arms = SEED4 if FLAGS.arms == "seed4" else SEED4K
+    if FLAGS.only:
+      unknown = set(FLAGS.only) - {a.name for a in arms}
+      if unknown:
+        raise app.UsageError(f"--only {','.join(sorted(unknown))}: not arms of {FLAGS.arms} "
+                             f"({','.join(a.name for a in arms)})")
+      arms = [a for a in arms if a.name in FLAGS.only]
     return ([dataclasses.replace(a, depth=int(FLAGS.depths[0]), cache=FLAGS.expert_cache[0]) for a in arms],
             SEED4_BARS + [("AP", "BP", 0.03, "decode tok/s")])
   if FLAGS.arms not in (None, "", "grid"):

@@ -49,3 +49,20 @@ def test_compile_run_leaves_the_timed_runs_nothing_to_compile():
     assert shorter["generated_tokens"] == 16 and engine.decode_loop._cache_size() == before + 1
   finally:
     bench.FLAGS.unparse_flags()
+
+
+def test_only_runs_a_subset_of_a_named_set():
+  """--only splits seed4 over processes: the named arms, in set order; an unknown name is a one-line error."""
+  import pytest
+  from absl import app
+  from decode import bench
+  try:
+    bench.FLAGS(["bench", "--arms", "seed4", "--only", "BR,AR"])
+    arms, _ = bench._arms()
+    assert [a.name for a in arms] == ["AR", "BR"] and [a.ring for a in arms] == ["32768", "49152"]
+    bench.FLAGS.unparse_flags()
+    bench.FLAGS(["bench", "--arms", "seed4", "--only", "AR,ZZ"])
+    with pytest.raises(app.UsageError, match="--only ZZ: not arms of seed4"):
+      bench._arms()
+  finally:
+    bench.FLAGS.unparse_flags()

@@ -48,7 +48,7 @@ case "${PART:-1}" in
     # the run at 4e19122 wrote no cell in 300 s (params build included), cause not seen: the default is now
     # the plain evict (17.6 ms a step at 1K, measured), SKIP=--host_skip_idle to try the cond again
   timeout ${T3:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
-    --expert_cache auto \
+    --expert_cache auto ${ONLY:+--only $ONLY} \
     ${SKIP:---nohost_skip_idle} --max_new_tokens 256 --seeds ${SEEDS:-3} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
 4)  # issue 6: the seed's 24 GiB card on seed-mtp (experts do not fit: auto slots), ring +16K, drafts on/off
   timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
