@@ -8,6 +8,7 @@ text and stats. Bad input (a broken GGUF, a prompt over max_context, ...) exits 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -149,7 +150,8 @@ def _plan(model, gen, n_prompt: int, drafter: str):
   ring = ring_capacity(n_prompt + gen.max_new_tokens + (k + 1 if k else 0), gen.kv_resident)
   kw = dict(kv=gen.kv, max_context=gen.max_context, mtp_window=FLAGS.mtp_window if drafter == "mtp" else None, k=k,
             expert_cache=FLAGS.expert_cache, budget=device_budget(FLAGS.device_budget),
-            prefill_chunk=min(prefill_chunk(gen), n_prompt))
+            prefill_chunk=min(prefill_chunk(gen), n_prompt),
+            cached_chunk=min(prefill_chunk(dataclasses.replace(gen, expert_slots=0)), n_prompt))
   plan, slots = plan_request(model, ring=ring, **kw)
   if FLAGS.plan and plan.budget is not None:
     out = sys.stderr if FLAGS.json else sys.stdout

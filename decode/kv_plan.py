@@ -109,8 +109,15 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     items.append(Item("host tier", (max_context - ring) * kv_bytes_per_token(cfg, cfg.n_layers, kv), "host", mode=1))
   if cfg.n_nextn and mtp_window:
     items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv), mode=2))
-  # activations of one prefill chunk: residual stream, q/k/v, expert hidden, last logits (float32)
+  # activations of one prefill chunk: residual stream, q/k/v, expert hidden, last logits (float32), plus the
+  # grouped expert GEMM's row tiles (ops/moe_grouped_pallas: <= T*k + E*(M-1) rows) holding the gathered x
+  # (float32, then bf16 hi/lo), its output, and the per-pair outputs [T*k, D]
   act = prefill_chunk * 4 * (4 * cfg.d_model + 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.top_k * cfg.d_ff_expert)
+  if cfg.n_experts and prefill_chunk > 16:
+    from ops.moe_grouped_pallas import tile_rows
+    pairs = prefill_chunk * cfg.top_k
+    rows = pairs + min(cfg.n_experts, pairs) * (tile_rows(pairs, cfg.n_experts) - 1)
+    act += rows * 4 * (3 * cfg.d_model + cfg.d_ff_expert) + pairs * 4 * cfg.d_model
   items.append(Item("workspace", act + 4 * cfg.vocab_size * (k + 1) * 4))
   return MemoryPlan(tuple(items), budget)
 
@@ -143,12 +150,13 @@ def device_budget(flag: str | None) -> int | None:
 
 def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_window: int | None, k: int,
                  expert_cache: str = "all", budget: int | None = None,
-                 prefill_chunk: int = 1024) -> tuple[MemoryPlan, int | None]:
+                 prefill_chunk: int = 1024, cached_chunk: int | None = None) -> tuple[MemoryPlan, int | None]:
   """The plan of one request and the expert-cache slots it gives: (plan, slots or None for all resident).
 
   expert_cache: "all" | "auto" (slots from what is free after everything else; all resident, slots None, when
   every expert fits) | a number of slots.
-  prefill_chunk: tokens per prefill call (the workspace; the engine's is decode.engine.prefill_chunk(gen))."""
+  prefill_chunk: tokens per prefill call (the workspace; the engine's is decode.engine.prefill_chunk(gen));
+  cached_chunk: the same when experts run from slots (default prefill_chunk; the engine's GPU default is 8)."""
   total, experts = param_bytes(model.params)
   base = dict(weight_bytes=total, expert_bytes=experts, ring=ring, kv=kv, max_context=max_context,
               mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk)
@@ -157,16 +165,17 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   from decode import expert_cache as xc
   slab = max(xc.slab_bytes(model.params, model.cfg).values())
   n_experts_total = len(xc.expert_blocks(model.cfg)) * model.cfg.n_experts
+  cached = dict(base, prefill_chunk=cached_chunk or prefill_chunk)
   if expert_cache == "auto":
-    probe = make_plan(model.cfg, **base, expert_cache_bytes=0)
+    probe = make_plan(model.cfg, **cached, expert_cache_bytes=0)
     if budget is None:
       return make_plan(model.cfg, **base).check(), None      # no budget known (CPU): everything resident
-    if probe.free // slab >= n_experts_total:                # every expert fits: all resident, no cache to run
-      return make_plan(model.cfg, **base).check(), None
+    if make_plan(model.cfg, **base, expert_cache_bytes=0).free // slab >= n_experts_total:   # every expert fits:
+      return make_plan(model.cfg, **base).check(), None      # all resident, no cache to run
     slots = max(0, probe.free // slab)
   else:
     slots = int(expert_cache)
   if slots < model.cfg.top_k:
     raise PlanError(f"memory plan: {slots} expert slots < top_k {model.cfg.top_k} (budget {budget / GiB:.2f} GiB "
-                    f"leaves {max(0, (budget or 0) - make_plan(model.cfg, **base, expert_cache_bytes=0).device_bytes) / GiB:.2f} GiB for experts)")
-  return make_plan(model.cfg, **base, expert_cache_bytes=slots * slab).check(), slots
+                    f"leaves {max(0, (budget or 0) - make_plan(model.cfg, **cached, expert_cache_bytes=0).device_bytes) / GiB:.2f} GiB for experts)")
+  return make_plan(model.cfg, **cached, expert_cache_bytes=slots * slab).check(), slots
