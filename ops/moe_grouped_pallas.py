@@ -3,7 +3,7 @@
 The routed (token, expert) pairs are sorted by expert and cut into row tiles of M rows, each belonging to one
 expert (`ops.moe.tile_layout`, the layout of the XLA reference `_moe_grouped`). M is the power of two nearest the
 mean rows per expert, in [16, 128]. The token rows are gathered into tile order and laid out as the gate type's
-pieces (bf16 hi/lo). Then come two kernel calls:
+pieces. Then come two kernel calls:
 
   1. gate/up: grid (F / BN, NT). Program (i, j) dequantizes rows [i*BN, i*BN + BN) of gate[e] and up[e] (e =
      tile_e[j]) piece by piece over D, runs bf16 MMAs against the tile's M rows, and writes
@@ -34,10 +34,14 @@ def supported(gate, up, down) -> bool:
   return (gate.qtype == up.qtype and len(gate.shape) == 3 and qg.supported(gate) and qg.supported(down))
 
 
+ROWS_FACTOR = 1      # M = ROWS_FACTOR x the power of two nearest the mean rows per expert (read at trace time)
+
+
 def tile_rows(n_pairs: int, n_experts: int) -> int:
-  """Rows per tile M: the power of two nearest the mean rows per expert, in [16, 128]."""
+  """Rows per tile M: ROWS_FACTOR x the power of two nearest the mean rows per expert, in [16, 128] (a larger M
+  dequantizes each expert's weights fewer times, for more padding rows in the MMAs)."""
   from ops.moe import grouped_tile_rows
-  return min(128, max(qg.MIN_DOT, grouped_tile_rows(n_pairs, n_experts)))
+  return min(128, max(qg.MIN_DOT, ROWS_FACTOR * grouped_tile_rows(n_pairs, n_experts)))
 
 
 def _cfg(w, overrides):
@@ -52,11 +56,10 @@ def _grouped(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, E, 
   P = T * K
   NT, tile_e, row_tok, row_pair, n_used = tile_layout(ids_TK.astype(I32), E, M)
   n_real = n_used.reshape(1)
-  xh, xl = qg.split_bf16(qg.x_pieces(x_TD.astype(F32)[row_tok], gq))             # [NT*M, lanes, nb*words]
-  h = qg.gemm(xh, xl, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
+  xv = qg.x_pieces(x_TD.astype(F32)[row_tok], gq)                                # [NT*M, lanes, nb*words]
+  h = qg.gemm(xv, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
               interpret=interpret, cfg=cg)                                        # [NT*M, F]
-  hh, hl = qg.split_bf16(qg.x_pieces(h, dq))
-  y = qg.gemm(hh, hl, tile_e, n_real, dplanes, qtype=dq, N=D, K=F, M=M, pair=False, interpret=interpret,
+  y = qg.gemm(qg.x_pieces(h, dq), tile_e, n_real, dplanes, qtype=dq, N=D, K=F, M=M, pair=False, interpret=interpret,
               cfg=cd)                                                             # [NT*M, D]
   # rows of tiles past n_used were never written: the scatter drops them (their pair index is P)
   y_PD = jnp.zeros((P, D), F32).at[row_pair].set(y, unique_indices=True, mode="drop")

@@ -16,7 +16,9 @@ a block's value index into lane and word axes; `tests/test_kernels.py` checks th
 the dequantized weights.
 
 Precision: w (float32, from the integer codes and scales, as in the decode tiles) is split into hi = bf16(w) and
-lo = bf16(w - hi), x likewise (outside the kernel), and acc += xh.wh + xl.wh + xh.wl: three bf16 MMAs with
+lo = bf16(w - hi), x likewise (in the kernel too: XLA on a GPU drops a float32 -> bf16 -> float32 round trip as
+"excess precision", which zeroed lo when the split ran outside: 1.7e-3 error on the H200), and
+acc += xh.wh + xl.wh + xh.wl: three bf16 MMAs with
 float32 accumulation, ~16 significant bits per operand (relative error ~1e-5 per dot). The decode kernels use
 float32 FMAs instead. Prefill feeds the ring that every later step reads, plain and speculative alike, so this
 changes no greedy-exactness invariant.
@@ -216,7 +218,7 @@ def _dot3(xh, xl, w):
   return dot(xh, wh) + dot(xl, wh) + dot(xh, wl)
 
 
-def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, BN, S, nb, pair):
+def _kernel(te_ref, nt_ref, x_ref, tab_ref, *refs, qtype, names, N, M, BN, S, nb, pair):
   *w_refs, o_ref = refs
   n = len(names)
   Ws = [dict(zip(names, w_refs[i * n:(i + 1) * n])) for i in range(2 if pair else 1)]
@@ -236,8 +238,7 @@ def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, 
                             tab_ref) for W in Ws]
       accs = list(accs)
       for pieces in zip(*gens):                      # the same lane of every weight (gate and up share x)
-        lane = pieces[0][0]
-        xh, xl = xh_ref[pl.ds(r0, M), lane, cols], xl_ref[pl.ds(r0, M), lane, cols]
+        xh, xl = split_bf16(x_ref[pl.ds(r0, M), pieces[0][0], cols])
         for i, (_, v) in enumerate(pieces):
           accs[i] = accs[i] + _dot3(xh, xl, v.reshape(BN, S * nw))
       return tuple(accs)
@@ -278,13 +279,14 @@ def supported(w) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "N", "K", "M", "pair", "interpret", "cfg"))
-def gemm(xh, xl, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cfg):
-  """Row tiles of x ([NT * M, lanes, nb * words] bf16 hi/lo, `x_pieces` of the rows) times their expert's W:
+def gemm(x, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cfg):
+  """Row tiles of x ([NT * M, lanes, nb * words] float32, `x_pieces` of the rows) times their expert's W:
   y[j*M + m, n] = x[j*M + m] . W[tile_e[j], n] (pair: silu(x . G[e, n]) * (x . U[e, n]), `planes` holding G's
   planes then U's). planes: [E, N, nb, ...]. Tiles j >= n_tiles ([1] int32) are skipped (left unwritten).
   Returns [NT * M, N] float32."""
   c = dict(cfg)
-  R = xh.shape[0]
+  c["num_warps"] = max(c["num_warps"], M * c["BN"] // 1024)      # accumulators: <= 32 float32 per thread each
+  R = x.shape[0]
   NT = R // M
   nb = K // quant.GGML_TYPES[qtype][0]
   kernel = functools.partial(_kernel, qtype=qtype, names=repack.plane_names(qtype), N=N, M=M, BN=c["BN"],
@@ -293,12 +295,15 @@ def gemm(xh, xl, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cf
       kernel, out_shape=jax.ShapeDtypeStruct((R, N), F32), grid=(pl.cdiv(N, c["BN"]), NT),
       compiler_params=compiler_params(c), interpret=interpret,
       name=f"qgemm_{'pair_' if pair else ''}{qtype.lower()}",
-  )(tile_e, n_tiles, xh, xl, table(qtype), *planes)
+  )(tile_e, n_tiles, x, table(qtype), *planes)
+
+
+DENSE_ROWS = 64      # M of a dense projection (read at trace time; each row tile dequantizes W once)
 
 
 def rows_per_tile(T: int) -> int:
-  """M for a dense projection of T rows: 64, or 16/32 for short inputs (less padding)."""
-  return max(MIN_DOT, min(64, 1 << (max(T, 1) - 1).bit_length()))
+  """M for a dense projection of T rows: DENSE_ROWS, or fewer for short inputs (less padding)."""
+  return max(MIN_DOT, min(DENSE_ROWS, 1 << (max(T, 1) - 1).bit_length()))
 
 
 def qgemm_pallas(x, w, *, interpret: bool = False, overrides: dict | None = None, M: int | None = None):
@@ -313,9 +318,8 @@ def qgemm_pallas(x, w, *, interpret: bool = False, overrides: dict | None = None
   M = M or rows_per_tile(T)
   NT = -(-T // M)
   x2 = jnp.pad(x2, ((0, NT * M - T), (0, 0)))
-  xh, xl = split_bf16(x_pieces(x2, w.qtype))
   nb = K // quant.GGML_TYPES[w.qtype][0]
   cfg = tuple(sorted(config(w.qtype, N, nb, overrides).items()))
-  y = gemm(xh, xl, jnp.zeros((NT,), I32), jnp.full((1,), NT, I32), tuple(p[None] for p in w.planes),
+  y = gemm(x_pieces(x2, w.qtype), jnp.zeros((NT,), I32), jnp.full((1,), NT, I32), tuple(p[None] for p in w.planes),
            qtype=w.qtype, N=N, K=K, M=M, pair=False, interpret=interpret, cfg=cfg)
   return y[:T].reshape(*lead, N)

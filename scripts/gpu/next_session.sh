@@ -77,12 +77,12 @@ case "${PART:-1}" in
     --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
 11) # issue 7 (the prefill goal): the tensor-core GEMMs of ops/qgemm_pallas, compiled check and kernel timings, then
     # the 30B prefill through them (chunk 1,024; 256) against the decode kernels (chunk 8) in one process, with
-    # one traced run per chunk summarised per kernel (the traces themselves are deleted: too big to bring back)
+    # with PROF11=1 one traced run per chunk summarised per kernel (the traces are deleted: too big to bring back)
   timeout ${T11A:-220} python3 scripts/gpu/qgemm_check.py --types ${TY11:-Q8_0,IQ3_S,Q4_K} \
     --tiles "${TL11:-BN=128;BN=32;BN=64,S=16}" > $OUT/qgemm.log 2>&1; grep -E "^(check|time)" $OUT/qgemm.log; tail -3 $OUT/qgemm.log
-  timeout ${T11B:-330} python3 scripts/gpu/prefill_probe.py --chunks ${C11:-8,256,1024} --profile $OUT/trace 2>&1 | filt \
-    | grep -v "^$" | tail -8
-  for c in $OUT/trace/chunk*; do f=$(find $c -name "*.json.gz" | head -1)
+  timeout ${T11B:-330} python3 scripts/gpu/prefill_probe.py --chunks ${C11:-8,256,1024} --variants "${V11:-default}" \
+    ${PROF11:+--profile $OUT/trace} 2>&1 | filt | grep -v "^$" | tail -8
+  for c in $OUT/trace/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --top 20 > $c.summary.txt 2>&1; rm -rf $c; done
   head -30 $OUT/trace/*.summary.txt ;;
 10) # issue 7 (the 1K goal): Q8_0 projection tiles at the 30B shapes, fused q/k/v (N 5,120, K 2,048) and o (N 2,048,

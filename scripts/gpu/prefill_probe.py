@@ -19,28 +19,36 @@ ap.add_argument("--chunks", default="8,1024")
 ap.add_argument("--tokens", type=int, default=1024)
 ap.add_argument("--repeats", type=int, default=3)
 ap.add_argument("--profile", default=None)
+ap.add_argument("--variants", default="default", help="';'-separated GEMM settings, each 'default' or "
+                "'dense=M,factor=F' (ops.qgemm_pallas.DENSE_ROWS, ops.moe_grouped_pallas.ROWS_FACTOR)")
 args = ap.parse_args(argv)
 
 from decode import bench, engine  # noqa: E402
+from ops import moe_grouped_pallas, qgemm_pallas  # noqa: E402
 from ops.qtensor import with_kernels  # noqa: E402
 
 model = bench._in_memory_model(args.preset, args.experts)
 model.params = with_kernels(model.params, "pallas" if jax.default_backend() != "cpu" else "interpret")
 prompt = [(7 * (i + 1)) % model.cfg.vocab_size for i in range(args.tokens)]
-for c in (int(v) for v in args.chunks.split(",")):
-  gen = engine.GenConfig(max_new_tokens=1, kv="int8", kv_resident=4096, prefill_chunk=c)
-  t = time.perf_counter()
-  jax.block_until_ready(engine.start_request(model, prompt, gen).logits)
-  first = time.perf_counter() - t
-  ts = []
-  for r in range(args.repeats + bool(args.profile)):
-    traced = args.profile and r == args.repeats
-    ctx = jax.profiler.trace(os.path.join(args.profile, f"chunk{c}"), create_perfetto_trace=True) if traced \
-        else contextlib.nullcontext()
-    with ctx:
-      t = time.perf_counter()
-      jax.block_until_ready(engine.start_request(model, prompt, gen).logits)
-      if not traced:
-        ts.append(time.perf_counter() - t)
-  ms = 1e3 * sorted(ts)[len(ts) // 2]
-  print(f"prefill chunk {c}: {ms:.1f} ms ({args.tokens / ms * 1e3:.0f} tok/s), first run {first:.1f} s", flush=True)
+for variant in args.variants.split(";"):
+  kv = dict(p.split("=") for p in variant.split(",") if "=" in p)
+  qgemm_pallas.DENSE_ROWS = int(kv.get("dense", 64))
+  moe_grouped_pallas.ROWS_FACTOR = int(kv.get("factor", 1))
+  jax.clear_caches()                     # the settings are read at trace time
+  for c in (int(v) for v in args.chunks.split(",")):
+    gen = engine.GenConfig(max_new_tokens=1, kv="int8", kv_resident=4096, prefill_chunk=c)
+    t = time.perf_counter()
+    jax.block_until_ready(engine.start_request(model, prompt, gen).logits)
+    first = time.perf_counter() - t
+    ts = []
+    for r in range(args.repeats + bool(args.profile)):
+      traced = args.profile and r == args.repeats
+      ctx = jax.profiler.trace(os.path.join(args.profile, f"{variant.replace('=', '').replace(',', '_')}-chunk{c}"), create_perfetto_trace=True) if traced \
+          else contextlib.nullcontext()
+      with ctx:
+        t = time.perf_counter()
+        jax.block_until_ready(engine.start_request(model, prompt, gen).logits)
+        if not traced:
+          ts.append(time.perf_counter() - t)
+    ms = 1e3 * sorted(ts)[len(ts) // 2]
+    print(f"prefill {variant} chunk {c}: {ms:.1f} ms ({args.tokens / ms * 1e3:.0f} tok/s), first run {first:.1f} s", flush=True)

@@ -58,6 +58,9 @@ for qtype in args.types.split(","):
   t_d = timeit(jax.jit(lambda x, w: qmatmul.qmatmul_ref(x, w)), x, w)
   print(f"time qgemm {qtype} T=1024 N=5120 K=2048: pallas {t_k:.3f} ms, xla dequant+dot highest {t_r:.3f} ms, "
         f"xla default {t_d:.3f} ms ({2 * 1024 * 5120 * 2048 / t_k / 1e9:.0f} TFLOP/s)", flush=True)
+  for M in (128, 256):
+    t = timeit(jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, M=M, interpret=INTERP)), x, w)
+    print(f"time qgemm {qtype} T=1024 M={M}: {t:.3f} ms", flush=True)
   for spec in filter(None, args.tiles.split(";")):
     ov = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
     t = timeit(jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, overrides=ov, interpret=INTERP)), x, w)
@@ -76,6 +79,10 @@ for gq in [q for q in ("IQ3_S", "Q4_K") if q in args.types.split(",")]:
       r = jax.jit(moe_ops.moe_ref)(x, ids, wt, g, u, d)
     print(f"check moe_grouped {gq} T={T}: rel L2 {rel(y, r):.2e}", flush=True)
     t_g = timeit(jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP)), x, ids, wt, g, u, d)
+    for rows in (64, 128):
+      t = timeit(jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP, rows=rows)),
+                 x, ids, wt, g, u, d)
+      print(f"time moe {gq} T={T}: grouped rows={rows} {t:.3f} ms", flush=True)
     x8, i8, w8 = x[:8], ids[:8], wt[:8]
     t_8 = timeit(jax.jit(functools.partial(moe_pallas.moe_pallas, interpret=INTERP)), x8, i8, w8, g, u, d)
     print(f"time moe {gq} T={T}: grouped tensor-core {t_g:.3f} ms ({T / t_g * 1e3:.0f} tok/s per layer); decode "
