@@ -1,3 +1,4 @@
-"""ops/: kernels beside their jnp references: quant formats and repacked planes, quantized matmul and MoE (Pallas
-Triton, with a stacked-layer entry), decode attention over the KV ring, RoPE, RMSNorm, and the kernel benchmarks
-(`bench`, `bench_attention`)."""
+"""ops/: kernels beside their jnp references: quant formats and repacked planes, quantized matmul and MoE for
+decode (Pallas Triton FMA kernels, with a stacked-layer entry) and for prefill (tensor-core GEMMs over
+dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), decode attention over the KV ring, RoPE, RMSNorm, and
+the kernel benchmarks (`bench`, `bench_attention`)."""
