@@ -30,10 +30,11 @@ from ops.qtensor import with_kernels  # noqa: E402
 model = bench._in_memory_model(args.preset, args.experts)
 model.params = with_kernels(model.params, "pallas" if jax.default_backend() != "cpu" else "interpret")
 prompt = [(7 * (i + 1)) % model.cfg.vocab_size for i in range(args.tokens)]
+DEFAULTS = qgemm_pallas.DENSE_ROWS, moe_grouped_pallas.ROWS_FACTOR
 for variant in args.variants.split(";"):
   kv = dict(p.split("=") for p in variant.split(",") if "=" in p)
-  qgemm_pallas.DENSE_ROWS = int(kv.get("dense", 64))
-  moe_grouped_pallas.ROWS_FACTOR = int(kv.get("factor", 1))
+  qgemm_pallas.DENSE_ROWS = int(kv.get("dense", DEFAULTS[0]))
+  moe_grouped_pallas.ROWS_FACTOR = int(kv.get("factor", DEFAULTS[1]))
   jax.clear_caches()                     # the settings are read at trace time
   for c in (int(v) for v in args.chunks.split(",")):
     gen = engine.GenConfig(max_new_tokens=1, kv="int8", kv_resident=4096, prefill_chunk=c)
