@@ -5,16 +5,15 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-11-30 (fourth session), in priority order:
-#   1. `pair.sh 3 8` with T8=560: the seed's four arms on the GPU (issue 7 item 3: never completed; the run with
-#      the host-tier cond wrote nothing in 300 s) and the expert cache's missing cells (issue 6 item 4: ring
-#      48K, MTP on with slots).
-#   2. `pair.sh 1 2`: fused q/k/v A/B, the host tier after its two changes (1K..128K; the cond at 1K), replay
-#      k = 1/3 and lookup after the draftless-step change (and the bf16x2 attention: acceptance must stay 100 %),
-#      prefill chunk 4/16.
-#   3. `pair.sh 9 6` (T6=0): the 1,024-slot arm of the 30B sweep; the GPU --check of IQ4_XS, IQ4_NL, Q5_K.
-#   4. `pair.sh 10 7`: Q8_0 projection tiles at the 30B shapes (issue 7's 1K goal); the attention sweep and step
-#      A/B again (after the with_lse change).
+# Still open after 2026-11-30 (fifth session), in priority order:
+#   1. `T3=570 pair.sh 3@AR,BR 3@AN,BN`: the seed's replay and lookup arms on the GPU (issue 7 item 3; the NextN
+#      arms AS/BS ran at 20:15: docs/PERF.md). A replay arm compiles twice: one pair of arms per GPU and call.
+#   2. Prefill (issue 7 item 5, 3,183 tok/s against ~11,300): `PROF11=1 C11=1024 PART=11` traces the GEMM prefill
+#      at the new defaults; then an int8 MMA path for the integer codes and a prefill attention kernel.
+#   3. `pair.sh 1 2`: fused q/k/v A/B, the host tier after its two changes (1K..128K; the cond at 1K), replay
+#      k = 1/3 and lookup after the draftless-step change and the bf16x2 attention (acceptance must stay 100 %).
+#   4. `pair.sh 10 7`: Q8_0 projection tiles at the 30B shapes (the 1K decode goal); attention sweep + step A/B.
+#   5. `pair.sh 9 5`: the 30B slot sweep again with the vectorized ensure (seed-mtp went 66-68 -> 95 tok/s).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
 set -o pipefail
