@@ -11,7 +11,7 @@ the budget is refused with a one-line error naming the largest items.
 >>> make_plan(cfg, weight_bytes=13 << 30, ring=131072, kv="bf16", budget=16 << 30).check()
 Traceback (most recent call last):
 ...
-decode.kv_plan.PlanError: memory plan: 25.11 GiB on the device exceeds the budget 16.00 GiB (largest: weights 13.00 GiB, main ring 12.00 GiB, workspace 0.11 GiB)
+decode.kv_plan.PlanError: memory plan: 25.80 GiB on the device exceeds the budget 16.00 GiB (largest: weights 13.00 GiB, main ring 12.00 GiB, workspace 0.80 GiB)
 """
 from __future__ import annotations
 

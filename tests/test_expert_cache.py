@@ -295,3 +295,20 @@ def test_loader_puts_the_store_in_host_memory_as_it_loads():
   back = xc.place_store(m.params, m.cfg, "device")
   assert {k for ks in xc.store_kinds(back, m.cfg).values() for k in ks} == {"device"}
   assert generate(dataclasses.replace(m, params=back), prompt, max_new_tokens=8, stop_at_eos=False).ids == want
+
+
+def test_plan_workspace_covers_the_grouped_gemm_buffers():
+  """A 1,024-token prefill call's plan holds the grouped expert GEMM's buffers at their static bound (the NT*M
+  rows of ops.moe.tile_layout for ops.moe_grouped_pallas.tile_rows): gathered x and its output, the pair
+  outputs; a cached plan's 8-token chunk needs none of it."""
+  import jax.numpy as jnp
+  from configs.presets import QWEN3MOE_30B_A3B as cfg
+  from decode.kv_plan import make_plan
+  from ops import moe_grouped_pallas
+  from ops.moe import tile_layout
+  T = 1024
+  M = moe_grouped_pallas.tile_rows(T * cfg.top_k, cfg.n_experts)
+  NT = tile_layout(jnp.zeros((T, cfg.top_k), jnp.int32), cfg.n_experts, M)[0]
+  grouped = NT * M * 4 * (3 * cfg.d_model + cfg.d_ff_expert) + T * cfg.top_k * 4 * cfg.d_model
+  ws = lambda chunk: make_plan(cfg, weight_bytes=1 << 30, ring=4096, prefill_chunk=chunk).get("workspace")  # noqa: E731
+  assert ws(T) - ws(8) >= grouped
