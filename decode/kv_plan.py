@@ -111,7 +111,7 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv), mode=2))
   # activations of one prefill chunk: residual stream, q/k/v, expert hidden, last logits (float32), plus the
   # grouped expert GEMM's row tiles (ops/moe_grouped_pallas: <= T*k + E*(M-1) rows) holding the gathered x
-  # (float32, then bf16 hi/lo), its output, and the per-pair outputs [T*k, D]
+  # (float32, then in the piece layout), its output, and the per-pair outputs [T*k, D]
   act = prefill_chunk * 4 * (4 * cfg.d_model + 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.top_k * cfg.d_ff_expert)
   if cfg.n_experts and prefill_chunk > 16:
     from ops.moe_grouped_pallas import tile_rows

@@ -312,3 +312,17 @@ def test_plan_workspace_covers_the_grouped_gemm_buffers():
   grouped = NT * M * 4 * (3 * cfg.d_model + cfg.d_ff_expert) + T * cfg.top_k * 4 * cfg.d_model
   ws = lambda chunk: make_plan(cfg, weight_bytes=1 << 30, ring=4096, prefill_chunk=chunk).get("workspace")  # noqa: E731
   assert ws(T) - ws(8) >= grouped
+
+
+def test_cached_plan_sizes_the_workspace_for_the_cached_chunk():
+  """With slots the engine prefills in its cached chunk (8 tokens on a GPU), so the plan's workspace and slots
+  follow `cached_chunk`, not the all-resident chunk; all resident keeps prefill_chunk's workspace."""
+  from decode.kv_plan import GiB, plan_request
+  m = _m("glm4moe", "IQ3_S")
+  kw = dict(ring=1024, kv="int8", max_context=None, mtp_window=None, k=0, prefill_chunk=1024)
+  big = plan_request(m, **kw, expert_cache="all")[0].get("workspace")
+  small = plan_request(m, **dict(kw, prefill_chunk=8), expert_cache="all")[0].get("workspace")
+  assert big > small
+  cached = plan_request(m, **kw, expert_cache="16", cached_chunk=8)[0]
+  assert cached.get("workspace") == small
+  assert plan_request(m, **kw, expert_cache="all", cached_chunk=8, budget=64 * GiB)[0].get("workspace") == big
