@@ -70,6 +70,13 @@ class KVRing:
     """(k, v, k_scale, v_scale) of layer i."""
     return layer_arrays(self, i)
 
+  def with_layer(self, i: int, arrays) -> "KVRing":
+    """The ring with layer i's (k, v, k_scale, v_scale) replaced (a kernel that wrote them in place)."""
+    k, v, ks, vs = arrays
+    return self.replace(k=_set(self.k, i, k), v=_set(self.v, i, v),
+                        k_scale=None if ks is None else _set(self.k_scale, i, ks),
+                        v_scale=None if vs is None else _set(self.v_scale, i, vs))
+
   def write(self, layer: int, pos_T: jax.Array, k_THD: jax.Array, v_THD: jax.Array) -> "KVRing":
     """Store T new rows of one layer at positions pos_T (slots pos mod R). Does not advance `length`."""
     slots = pos_T % self.capacity

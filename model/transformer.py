@@ -25,6 +25,7 @@ from decode.kv_ring import KVRing
 from model.config import ModelConfig
 from ops import attention as attn_ops
 from ops import moe as moe_ops
+from ops import rope_write_pallas
 from ops.layers import linear, rms_norm, rope_neox, swiglu
 from ops.qtensor import QTensor, as_dense
 
@@ -64,6 +65,18 @@ class Attention(nn.Module):
     D, Hq, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     wo = _param(self, "wo", _init, (D, Hq * Dh))
     T = x_TD.shape[0]
+    glue = _rope_write_impl(self, c) if ring is not None else "ref"
+    if glue != "ref":                                 # q/k norm, RoPE and the ring write in one kernel
+      qkv = linear(x_TD, self.get_variable("params", "wqkv"),
+                   self.get_variable("params", "bqkv") if c.qkv_bias else None)
+      qn = _param(self, "q_norm", _ones, (Dh,)) if c.qk_norm else None
+      kn = _param(self, "k_norm", _ones, (Dh,)) if c.qk_norm else None
+      L = self.ring_layer
+      q, arrays = rope_write_pallas.rope_write(
+          qkv, qn, kn, pos_T, ring.layer(L), impl=glue, n_heads=Hq, n_kv_heads=Hkv, head_dim=Dh,
+          rope_dim=c.rope_dim, theta=c.rope_theta, offset=self.rope_offset, eps=c.rms_eps)
+      ring = ring.with_layer(L, arrays)
+      return self._attend(q, pos_T, ring, attn_block, host, wo)
     if self.has_variable("params", "wqkv"):          # fused at load (model.api.fuse_qkv): one matmul, one launch
       qkv = linear(x_TD, self.get_variable("params", "wqkv"),
                    self.get_variable("params", "bqkv") if c.qkv_bias else None)
@@ -82,28 +95,46 @@ class Attention(nn.Module):
       k = rms_norm(k, _param(self, "k_norm", _ones, (Dh,)), c.rms_eps)
     q = rope_neox(q, pos_T + self.rope_offset, c.rope_dim, c.rope_theta)
     k = rope_neox(k, pos_T + self.rope_offset, c.rope_dim, c.rope_theta)
-    scale = 1.0 / float(Dh) ** 0.5
     if ring is None:
-      o = _causal_attention(q, k, v.astype(jnp.float32), scale)
+      o = _causal_attention(q, k, v.astype(jnp.float32), 1.0 / float(Dh) ** 0.5)
+      return linear(o.reshape(T, Hq * Dh), wo), ring, host
+    ring = ring.write(self.ring_layer, pos_T, k, v)
+    return self._attend(q, pos_T, ring, attn_block, host, wo)
+
+  def _attend(self, q, pos_T, ring, attn_block, host, wo):
+    """Attention of q [T, Hq, Dh] over the ring (its new rows already written), then the output projection."""
+    c = self.cfg
+    T, Hq, Dh = q.shape
+    scale = 1.0 / float(Dh) ** 0.5
+    L = self.ring_layer
+    # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
+    length = ring.length + T + ring.scratch
+    if host is None:
+      o = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale)
     else:
-      L = self.ring_layer
-      ring = ring.write(L, pos_T, k, v)
-      # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
-      length = ring.length + T + ring.scratch
-      if host is None:
-        o = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale)
-      else:
-        # the ring's part on the decode kernel where it takes the call (as without a tier), with its log-sum-exp
-        o1, lse1 = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale,
-                                           with_lse=True)
-        # the tier shows positions < written - window: clip the queries' causal bound to its last position
-        hi = ring.length + T - ring.window - 1
-        q_hi = jnp.minimum(pos_T, hi)
-        o2, lse2 = attn_ops.attention_with_lse(q, *host.layer(L), q_hi, host.capacity, None,
-                                               block=tier_block(ring.window, attn_block), scale=scale)
-        lse2 = jnp.where((hi >= 0), lse2, -jnp.inf)
-        o = attn_ops.merge_lse(o1.reshape(T, Hq, Dh), lse1, o2.reshape(T, Hq, Dh), lse2)
+      # the ring's part on the decode kernel where it takes the call (as without a tier), with its log-sum-exp
+      o1, lse1 = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale,
+                                         with_lse=True)
+      # the tier shows positions < written - window: clip the queries' causal bound to its last position
+      hi = ring.length + T - ring.window - 1
+      q_hi = jnp.minimum(pos_T, hi)
+      o2, lse2 = attn_ops.attention_with_lse(q, *host.layer(L), q_hi, host.capacity, None,
+                                             block=tier_block(ring.window, attn_block), scale=scale)
+      lse2 = jnp.where((hi >= 0), lse2, -jnp.inf)
+      o = attn_ops.merge_lse(o1.reshape(T, Hq, Dh), lse1, o2.reshape(T, Hq, Dh), lse2)
     return linear(o.reshape(T, Hq * Dh), wo), ring, host
+
+
+def _rope_write_impl(m: nn.Module, c: ModelConfig) -> str:
+  """The fused rope + ring-write kernel's impl for this block: the fused q/k/v weight's kernel mode ("pallas" |
+  "interpret") where the shapes allow and `rope_write_pallas.ENABLED`, else "ref" (the separate jnp ops)."""
+  if not (rope_write_pallas.ENABLED and m.has_variable("params", "wqkv")):
+    return "ref"
+  w = m.get_variable("params", "wqkv")
+  mode = {"pallas": "pallas", "interpret": "interpret"}.get(getattr(w, "kernel", "xla"), "ref")
+  if mode != "ref" and rope_write_pallas.supported(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim) is None:
+    return mode
+  return "ref"
 
 
 class DenseMLP(nn.Module):

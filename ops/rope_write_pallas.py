@@ -1,0 +1,188 @@
+"""From the fused q/k/v matmul's output to attention's inputs in one Pallas kernel (Triton lowering): per-head RMS
+norm of q and k (qk_norm models), NEOX RoPE on the first `rope_dim` dims, and the K/V ring write of the T new rows
+(int8 absmax quantization with its scales, or a cast), in place.
+
+Why: in a decode step these are ~10 small XLA kernels per layer (two per-head norms, two RoPEs, two absmax
+reductions, four ring updates, the splits between them), each a launch of ~1-2 µs on the GPU for a few KB of work;
+480 launches per step on a 48-layer model. One program per token does all of it.
+
+`rope_write_ref` is the reference: the model's own jnp ops (ops.layers.rms_norm, ops.layers.rope_neox,
+decode.kv_ring.quantize_int8 and `.at[slot].set`), which the kernel must match; `rope_write` dispatches.
+
+Kernel. Grid (T,): program t reads row t of qkv as [H, Dh] head tiles (q heads, then k, then v), computes the norm
+over each head's whole row, rotates the halves [0, rope_dim/2) and [rope_dim/2, rope_dim) (loaded as their own
+column slices: Triton has no lane permutation), and stores the pieces. The ring arrays are aliased inputs and
+outputs (`input_output_aliases`): only the T rows at slots (pos + 0) mod R are written, nothing is copied. Rounding
+to int8 is round-half-to-even from floor (`round_half_even`: Triton has no round, and XLA simplifies the
+1.5 * 2**23 trick away in interpret mode). Differences from the reference on the GPU: Triton's float32 division, cos/sin and rsqrt are
+libdevice's, not XLA's, so an int8 code at a rounding tie may differ by one; in interpret mode (CPU tests) the
+arithmetic is the reference's. Every output row depends only on its own token, so a 1-token step and a k + 1 token
+verify pass agree.
+
+Shapes the kernel takes (`supported`): Hq, Hkv, head_dim, rope_dim / 2 and head_dim - rope_dim (when nonzero)
+powers of two; anything else runs the reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from decode.kv_ring import quantize_int8
+from ops.layers import rms_norm, rope_neox
+
+IMPLS = ("ref", "pallas", "interpret")
+ENABLED = True           # the model uses the kernel (with Pallas/interpret matmul kernels); read at trace time
+NUM_WARPS = 4
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def supported(n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int) -> str | None:
+  """None when the kernel takes these shapes, else why not."""
+  half, rest = rope_dim // 2, head_dim - rope_dim
+  for what, n in (("Hq", n_heads), ("Hkv", n_kv_heads), ("head_dim", head_dim), ("rope_dim/2", half)):
+    if not _is_pow2(n):
+      return f"{what}={n} is not a power of two"
+  if rope_dim % 2 or rope_dim > head_dim or (rest and not _is_pow2(rest)):
+    return f"rope_dim={rope_dim} must be even, <= head_dim={head_dim}, with head_dim - rope_dim 0 or a power of two"
+  return None
+
+
+def rope_write_ref(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv_heads: int, head_dim: int,
+                   rope_dim: int, theta: float, offset: int, eps: float):
+  """q [T, Hq, Dh] float32 (normed, rotated) and the ring arrays (k, v, k_scale, v_scale) with rows pos mod R
+  written; scales None for a float ring. q_norm / k_norm None when the model has no qk norm."""
+  T = qkv_TX.shape[0]
+  Hq, Hkv, Dh = n_heads, n_kv_heads, head_dim
+  q, k, v = jnp.split(qkv_TX.astype(jnp.float32), [Hq * Dh, (Hq + Hkv) * Dh], axis=-1)
+  q, k, v = q.reshape(T, Hq, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dh)
+  if q_norm is not None:
+    q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+  q = rope_neox(q, pos_T + offset, rope_dim, theta)
+  k = rope_neox(k, pos_T + offset, rope_dim, theta)
+  kr, vr, ks, vs = ring_kv
+  slots = pos_T % kr.shape[0]
+  if ks is not None:
+    kq, ksc = quantize_int8(k)
+    vq, vsc = quantize_int8(v)
+    return q, (kr.at[slots].set(kq), vr.at[slots].set(vq), ks.at[slots].set(ksc), vs.at[slots].set(vsc))
+  return q, (kr.at[slots].set(k.astype(kr.dtype)), vr.at[slots].set(v.astype(vr.dtype)), None, None)
+
+
+def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half: int, offset: int, eps: float,
+            capacity: int, qk_norm: bool, quant: bool):
+  refs = list(refs)
+  qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if qk_norm else (None, None)
+  n_ring = 4 if quant else 2
+  refs = refs[n_ring:]                          # the aliased ring inputs: written through the outputs
+  q_out, k_out, v_out, *scale_out = refs
+  t = pl.program_id(0)
+  p = pos_ref[t]
+  slot = lax_rem(p, capacity)
+  ang = (p + offset).astype(jnp.float32) * freq_ref[...]               # [half]
+  cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
+  rd = 2 * half
+
+  def pieces(h0, H, w_ref):
+    """The normed head rows h0 .. h0 + H - 1 of token t as (rotated first half, rotated second half, rest)."""
+    x = qkv_ref[t, pl.ds(h0, H), :]                                     # [H, Dh]
+    x1 = qkv_ref[t, pl.ds(h0, H), pl.ds(0, half)]
+    x2 = qkv_ref[t, pl.ds(h0, H), pl.ds(half, half)]
+    xr = qkv_ref[t, pl.ds(h0, H), pl.ds(rd, Dh - rd)] if Dh > rd else None
+    if w_ref is not None:                      # rms_norm: x * rsqrt(mean(x^2) + eps) * w, over the whole row
+      r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+      x1 = x1 * r * w_ref[pl.ds(0, half)][None, :]
+      x2 = x2 * r * w_ref[pl.ds(half, half)][None, :]
+      if xr is not None:
+        xr = xr * r * w_ref[pl.ds(rd, Dh - rd)][None, :]
+    y = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    return y + ([xr] if xr is not None else [])
+
+  def spans():
+    return [(0, half), (half, half)] + ([(rd, Dh - rd)] if Dh > rd else [])
+
+  for (c0, n), y in zip(spans(), pieces(0, Hq, qn_ref)):
+    q_out[t, :, pl.ds(c0, n)] = y
+
+  def store(out_ref, sc_ref, ys):
+    if quant:                                  # quantize_int8: s = max|x| / 127, round(x / s), clip
+      amax = jnp.max(jnp.abs(ys[0]), axis=-1)
+      for y in ys[1:]:
+        amax = jnp.maximum(amax, jnp.max(jnp.abs(y), axis=-1))
+      s = amax / 127.0
+      inv = jnp.where(s > 0, s, 1.0)[:, None]
+      sc_ref[slot, :] = s
+      for (c0, n), y in zip(spans_of(ys), ys):
+        r = round_half_even(y / inv)
+        out_ref[slot, :, pl.ds(c0, n)] = jnp.clip(r, -127.0, 127.0).astype(out_ref.dtype)
+    else:
+      for (c0, n), y in zip(spans_of(ys), ys):
+        out_ref[slot, :, pl.ds(c0, n)] = y.astype(out_ref.dtype)
+
+  def spans_of(ys):
+    return spans() if len(ys) > 1 else [(0, Dh)]
+
+  store(k_out, scale_out[0] if quant else None, pieces(Hq, Hkv, kn_ref))
+  store(v_out, scale_out[1] if quant else None, [qkv_ref[t, pl.ds(Hq + Hkv, Hkv), :]])
+
+
+def round_half_even(x):
+  """jnp.round (half to even) from floor, for the Triton lowering: exact for |x| < 2**23."""
+  f = jnp.floor(x)
+  d = x - f                                                   # exact, in [0, 1)
+  odd = (f - 2.0 * jnp.floor(f * 0.5)) == 1.0
+  return f + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+def lax_rem(a, b):
+  return jax.lax.rem(a, jnp.asarray(b, a.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("n_heads", "n_kv_heads", "head_dim", "rope_dim", "theta", "offset", "eps",
+                                             "interpret"))
+def rope_write_pallas(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv_heads: int, head_dim: int,
+                      rope_dim: int, theta: float, offset: int, eps: float, interpret: bool = False):
+  """The kernel; same arguments and results as rope_write_ref. Inside a jitted step the ring
+  arrays are updated in place (aliased); called on its own, XLA copies them first. Positions must be >= -offset (as everywhere in the model)."""
+  T = qkv_TX.shape[0]
+  Hq, Hkv, Dh = n_heads, n_kv_heads, head_dim
+  why = supported(Hq, Hkv, Dh, rope_dim)
+  if why is not None:
+    raise ValueError(f"rope_write_pallas: {why}")
+  half = rope_dim // 2
+  kr, vr, ks, vs = ring_kv
+  quant = ks is not None
+  qk_norm = q_norm is not None
+  freq = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / rope_dim)       # as rope_neox
+  args = [jnp.asarray(pos_T, jnp.int32), freq, qkv_TX.astype(jnp.float32).reshape(T, Hq + 2 * Hkv, Dh)]
+  if qk_norm:
+    args += [q_norm.astype(jnp.float32), k_norm.astype(jnp.float32)]
+  ring = [kr, vr] + ([ks, vs] if quant else [])
+  first = len(args)
+  args += ring
+  out_shape = [jax.ShapeDtypeStruct((T, Hq, Dh), jnp.float32)] + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ring]
+  kernel = functools.partial(_kernel, Hq=Hq, Hkv=Hkv, Dh=Dh, half=half, offset=offset, eps=eps, capacity=kr.shape[0],
+                             qk_norm=qk_norm, quant=quant)
+  outs = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(T,),
+      input_output_aliases={first + i: 1 + i for i in range(len(ring))},
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      interpret=interpret, name="rope_ring_write")(*args)
+  q, new = outs[0], outs[1:]
+  return q, (new[0], new[1], new[2] if quant else None, new[3] if quant else None)
+
+
+def rope_write(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, impl: str, **kw):
+  """Dispatcher: impl "pallas" | "interpret" runs the kernel where `supported`, "ref" (or an unsupported shape)
+  the reference."""
+  if impl not in IMPLS:
+    raise ValueError(f"rope_write: impl {impl!r}, expected one of {IMPLS}")
+  if impl != "ref" and supported(kw["n_heads"], kw["n_kv_heads"], kw["head_dim"], kw["rope_dim"]) is None:
+    return rope_write_pallas(qkv_TX, q_norm, k_norm, pos_T, ring_kv, interpret=impl == "interpret", **kw)
+  return rope_write_ref(qkv_TX, q_norm, k_norm, pos_T, ring_kv, **kw)
