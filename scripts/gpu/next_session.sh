@@ -84,6 +84,23 @@ case "${PART:-1}" in
   for c in $OUT/trace/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --top 20 > $c.summary.txt 2>&1; rm -rf $c; done
   head -30 $OUT/trace/*.summary.txt ;;
+12) # issue 7 (the 1K decode goal): the step's glue kernels. The fused rope + ring-write kernel against the separate XLA
+    # ops, cell by cell in one process, at 1K (ring 4,096) and 32K (ring 32,768: a copy of the aliased ring would
+    # show there); then one traced run with XLA's optimized HLO, summarised per kernel with each fusion's ops
+  timeout ${T12A:-260} $S30 --rope_write on,off --cells ${C12:-4096:1024:auto:pallas,32768:32768:auto:pallas} 2>&1 | filt | tail -7
+  XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" \
+    timeout ${T12B:-200} $S30 --repeats 1 --steps 16 --rope_write ${RW12:-on} --profile $OUT/trace --cells 4096:1024:auto:pallas \
+    --out $OUT/step-traced.jsonl 2>&1 | filt | tail -2
+  h=$(ls $OUT/hlo/*decode_loop*after_optimizations.txt 2>/dev/null | grep -v buffer | head -1)
+  f=$(find $OUT/trace -name "*.json.gz" 2>/dev/null | head -1)
+  [ -n "$h" ] && [ -n "$f" ] && python3 scripts/gpu/hlo_fusions.py $h $f --steps 16 --top 80 > $OUT/fusions.md
+  [ -n "$h" ] && gzip -c $h > $OUT/decode_loop_hlo.txt.gz; rm -rf $OUT/hlo $OUT/trace
+  head -45 $OUT/fusions.md; tail -2 $OUT/fusions.md ;;
+13) # DESIGN invariant 3 on the GPU: is a verify pass (T = 4) bitwise the plain steps it replaces, op by op and for
+    # a 4-layer trunk? (seed4's replay arms accepted 5-19 % at ded51a0, 100 % at d45edc3)
+  for p in ${P13:-seed-mtp qwen3moe-30b-a3b}; do
+    timeout ${T13:-150} python3 scripts/gpu/batch_invariance.py --preset $p --layers 4 2>&1 | grep -vE "^(W|I)[0-9]" | tail -12
+  done ;;
 10) # issue 7 (the 1K goal): Q8_0 projection tiles at the 30B shapes, fused q/k/v (N 5,120, K 2,048) and o (N 2,048,
     # K 4,096); in the model they run at ~1 TB/s. ops.bench's projection cells are unrolled since this commit
   SW='[{"proj":{"BN":16,"S":32}},{"proj":{"BN":8,"S":32}},{"proj":{"BN":32,"S":32}},{"proj":{"BN":16,"S":64}},

@@ -1,0 +1,107 @@
+"""GPU probe: is a T = k + 1 verify pass bitwise the T = 1 steps it replaces? Greedy speculative decoding is exact
+only if every op computes a token's row the same way whatever the batch (DESIGN invariant 3). Checks each op of the
+decode step at its model shape (row i of a T-row call against the same row alone), then the whole trunk: 4 decode
+steps against one 4-token forward from the same state.
+
+  python scripts/gpu/batch_invariance.py [--preset seed-mtp] [--layers 4] [--T 4]
+
+Prints one line per check: bitwise equal or the largest difference. Runs on CPU too (interpret kernels: slow).
+"""
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs.presets import preset
+from model import api
+from model.writer import quant_policy, random_params
+from ops import moe_pallas, qmatmul_pallas, quant
+from ops.layers import rms_norm
+from ops.qtensor import QTensor, with_kernels
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--preset", default="seed-mtp")
+ap.add_argument("--layers", type=int, default=4)
+ap.add_argument("--T", type=int, default=4)
+ap.add_argument("--rope_write", default="on,off")
+a = ap.parse_args()
+cpu = jax.default_backend() == "cpu"
+kern = "interpret" if cpu else "pallas"
+cfg = preset(a.preset)
+T, D, E = a.T, cfg.d_model, cfg.n_experts
+rng = np.random.default_rng(0)
+
+
+def report(name, f, *args_T):
+  """f on all T rows against f on each row alone (each its own jit, as the step and the verify pass are)."""
+  full = np.asarray(jax.jit(f)(*args_T))
+  rows = np.concatenate([np.asarray(jax.jit(f)(*(x[i:i + 1] for x in args_T))) for i in range(T)])
+  d = float(np.max(np.abs(full - rows)))
+  print(f"{name:52s} {'bitwise' if d == 0 else f'DIFFERS: max |diff| {d:.3e} (scale {np.max(np.abs(rows)):.2e})'}",
+        flush=True)
+
+
+x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+wr = jnp.asarray(rng.standard_normal((E, D)) * 0.02, jnp.float32)
+with jax.default_matmul_precision(api.MATMUL_PRECISION):
+  report(f"router dot [T,{D}] x [{E},{D}] (XLA, {api.MATMUL_PRECISION})",
+         lambda x: jnp.einsum("td,ed->te", x, wr), x)
+  report("rms_norm (XLA)", lambda x: rms_norm(x, jnp.ones((D,)), 1e-6), x)
+  report("softmax (XLA)", lambda x: jax.nn.softmax(jnp.einsum("td,ed->te", x, wr), axis=-1), x)
+  for N, K in ((cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim, D), (D, cfg.n_heads * cfg.head_dim)):
+    w = QTensor.from_gguf(quant.random_blocks("Q8_0", (N, K), rng, scale=1e-2), "Q8_0", K).replace(kernel=kern)
+    xx = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
+    report(f"qmatmul_pallas Q8_0 N {N} K {K}", lambda x: qmatmul_pallas.qmatmul_pallas(x, w, interpret=cpu), xx)
+  F = cfg.d_ff_expert
+  g = QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng, scale=1e-2), "IQ3_S", D).replace(kernel=kern)
+  dn = QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, D, F), rng, scale=1e-2), "IQ3_S", F).replace(kernel=kern)
+  ids = jnp.asarray(np.stack([rng.choice(E, cfg.top_k, replace=False) for _ in range(T)]), jnp.int32)
+  wts = jnp.asarray(rng.random((T, cfg.top_k)), jnp.float32)
+  report(f"moe_pallas IQ3_S E {E} F {F} top {cfg.top_k}",
+         lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu), x, ids, wts)
+
+# decode attention: the T rows of a verify pass against each query alone at its own causal length
+from decode.kv_ring import KVRing  # noqa: E402
+from ops import attention  # noqa: E402
+Hq, Hkv, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+for depth in (1000, 1025):            # 1025: the pass's last query opens a key tile its first query does not see
+  ring = KVRing.create(1, 4096, Hkv, Dh, "int8", block=256)
+  ring = ring.write(0, jnp.arange(depth + T), jnp.asarray(rng.standard_normal((depth + T, Hkv, Dh)), jnp.float32),
+                    jnp.asarray(rng.standard_normal((depth + T, Hkv, Dh)), jnp.float32))
+  q = jnp.asarray(rng.standard_normal((T, Hq, Dh)), jnp.float32)
+  att = jax.jit(lambda q, p, n: attention.ring_attention(q, *ring.layer(0), p, n, block=256, scale=Dh ** -0.5,
+                                                         impl=kern))
+  full = np.asarray(att(q, depth + jnp.arange(T), depth + T))
+  rows = np.concatenate([np.asarray(att(q[i:i + 1], depth + i + jnp.arange(1), depth + i + 1)) for i in range(T)])
+  dd = float(np.max(np.abs(full - rows)))
+  print(f"{f'attention kernel, int8 ring, depth {depth}':52s} {'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
+        flush=True)
+
+# the trunk: T decode steps against one T-token forward (the verify pass) from the same prefilled state
+from ops import rope_write_pallas  # noqa: E402
+small = dataclasses.replace(cfg, n_layers=a.layers)
+params = with_kernels(api.fuse_qkv(random_params(small, types=quant_policy("IQ3_S", "Q8_0"))), kern)
+prompt = jnp.asarray(rng.integers(0, small.vocab_size, 40), jnp.int32)
+toks = jnp.asarray(rng.integers(0, small.vocab_size, T), jnp.int32)
+for rw in a.rope_write.split(","):
+  rope_write_pallas.ENABLED = rw == "on"
+  jax.clear_caches()
+  outs = []
+  for mode in ("steps", "verify"):
+    st = api.init_state(small, 4096, "int8", scratch=T)
+    _, _, st = api.prefill(params, prompt, st, cfg=small)
+    if mode == "steps":
+      ls = []
+      for t in range(T):
+        lg, _, st = api.decode_step(params, toks[t], st, cfg=small)
+        ls.append(np.asarray(lg))
+      outs.append(np.stack(ls))
+    else:
+      lg, _, st = api.prefill(params, toks, st, cfg=small)
+      outs.append(np.asarray(lg))
+  d = np.max(np.abs(outs[0] - outs[1]), axis=-1)
+  same = [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
+  print(f"trunk {a.preset} x {a.layers} layers, rope_write {rw}: {T} steps vs a {T}-token pass, max |diff| per "
+        f"position {[f'{v:.2e}' for v in d]}, argmax equal {same}", flush=True)
