@@ -48,9 +48,9 @@ flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
                          "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
 flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
                   "--nofuse_qkv runs three")
-flags.DEFINE_list("rope_write", ["on"], "on: q/k norm, RoPE and the ring write in one Pallas kernel per layer "
-                  "(ops/rope_write_pallas, with --kernels pallas); off: the separate XLA ops; on,off: both, cell by cell "
-                  "in one process (the A/B)")
+flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNorm + residual, routing, q/k norm + "
+                  "RoPE + ring write; model.transformer.GLUE_KERNELS, with --kernels pallas); off: the XLA ops; on,off: "
+                  "both, cell by cell in one process (the A/B)")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
@@ -143,9 +143,9 @@ def main(argv):
   from decode import host_tier
   from ops import attention_pallas
   host_tier.SKIP_IDLE_EVICT = FLAGS.host_skip_idle      # read at trace time
-  from ops import rope_write_pallas
-  if not set(FLAGS.rope_write) <= {"on", "off"}:
-    raise app.UsageError(f"--rope_write {FLAGS.rope_write}: expected on, off or on,off")
+  from model import transformer
+  if not set(FLAGS.glue) <= {"on", "off"}:
+    raise app.UsageError(f"--glue {FLAGS.glue}: expected on, off or on,off")
   if FLAGS.attn_kernel:
     attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
   cfg = preset(FLAGS.preset)
@@ -167,14 +167,14 @@ def main(argv):
       parts = c.split(":")
       parts += ["auto", FLAGS.kernels[0], ""][len(parts) - 2:]
       cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2], int(parts[4]) if parts[4] else None))
-  cells = [c + (rw,) for c in cells for rw in FLAGS.rope_write]
+  cells = [c + (rw,) for c in cells for rw in FLAGS.glue]
   with open(FLAGS.out, "a") as f:
     prev = None
     for R, depth, kn, at, C, rw in tqdm(cells, desc="cells", file=sys.stderr):
       if prev is not None and prev != (kn, at, rw):
-        jax.clear_caches()                      # the attention and rope-write choices are read at trace time
+        jax.clear_caches()                      # the attention and glue choices are read at trace time
       prev = (kn, at, rw)
-      rope_write_pallas.ENABLED = rw == "on"
+      transformer.GLUE_KERNELS = rw == "on"
       p = with_kernels(params, kn)
       default_gpu = attention.DEFAULT_GPU_IMPL
       default_kernel = attention_pallas.DEFAULT_DOTS, dict(attention_pallas.TUNING)
@@ -193,7 +193,7 @@ def main(argv):
         ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)),
                          depth, wrap=host_cap is not None)
         host = fill_host(ring, depth, host_cap) if host_cap else None
-        tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}-rw{rw}") if FLAGS.profile else None
+        tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}-glue{rw}") if FLAGS.profile else None
         ts, first_s = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir)
       except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
         print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
@@ -204,7 +204,7 @@ def main(argv):
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
-             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "rope_write": rw,
+             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "glue": rw,
              "attn_kernel": spec or FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
              "host_skip_idle": FLAGS.host_skip_idle if host_cap else None, "ms_per_step": ms,
              "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
@@ -213,14 +213,14 @@ def main(argv):
       f.write(json.dumps(rec) + "\n")
       f.flush()
       rows.append(rec)
-      print(f"R={R} depth={depth} {kn}/{at} rope_write {rw}{f' host {host_cap}' if host_cap else ''}: {ms:.3f} ms/step "
+      print(f"R={R} depth={depth} {kn}/{at} glue {rw}{f' host {host_cap}' if host_cap else ''}: {ms:.3f} ms/step "
             f"(first run {first_s:.1f} s)", file=sys.stderr)
   print(f"\n{FLAGS.preset} ({FLAGS.experts} experts, {FLAGS.other} other, {FLAGS.kv} KV), {device}, commit {commit}, "
         f"{FLAGS.steps} steps x {FLAGS.repeats}\n")
-  print("| ring | host tier | depth | kernels | attn | rope write | ms/step | tok/s |\n"
+  print("| ring | host tier | depth | kernels | attn | glue | ms/step | tok/s |\n"
         "| ---: | ---: | ---: | --- | --- | --- | ---: | ---: |")
   for r in rows:
-    print(f"| {r['ring']} | {r['host_tier'] or '-'} | {r['depth']} | {r['kernels']} | {r['attn']} | {r['rope_write']} | {r['ms_per_step']:.3f} | "
+    print(f"| {r['ring']} | {r['host_tier'] or '-'} | {r['depth']} | {r['kernels']} | {r['attn']} | {r['glue']} | {r['ms_per_step']:.3f} | "
           f"{1e3 / r['ms_per_step']:.1f} |")
 
 

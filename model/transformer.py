@@ -25,9 +25,17 @@ from decode.kv_ring import KVRing
 from model.config import ModelConfig
 from ops import attention as attn_ops
 from ops import moe as moe_ops
-from ops import rope_write_pallas
+from ops import rope_write_pallas, router_pallas
+from ops.rmsnorm_pallas import add_rms_norm
 from ops.layers import linear, rms_norm, rope_neox, swiglu
 from ops.qtensor import QTensor, as_dense
+
+# Decode and verify passes (T <= 16) run the per-token Pallas "glue" kernels (RMSNorm with the residual add, routing,
+# q/k norm + RoPE + ring write) whenever the block's quantized matmuls run Pallas kernels ("pallas" | "interpret"):
+# fewer launches, and every token's row computed the same way whatever T is, so a verify pass reproduces the plain
+# steps bitwise on the GPU (DESIGN invariant 3; XLA's reductions are not batch-invariant there). False: the jnp ops
+# (the A/B of `decode.bench_step --glue`). Read at trace time.
+GLUE_KERNELS = True
 
 _init = nn.initializers.normal(0.02)
 _ones = nn.initializers.ones
@@ -125,13 +133,22 @@ class Attention(nn.Module):
     return linear(o.reshape(T, Hq * Dh), wo), ring, host
 
 
+def glue_impl(tree) -> str:
+  """"pallas" | "interpret" when GLUE_KERNELS and the first QTensor in `tree` runs that kernel mode, else "ref"."""
+  if not GLUE_KERNELS:
+    return "ref"
+  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=lambda v: isinstance(v, QTensor)):
+    if isinstance(leaf, QTensor):
+      return leaf.kernel if leaf.kernel in ("pallas", "interpret") else "ref"
+  return "ref"
+
+
 def _rope_write_impl(m: nn.Module, c: ModelConfig) -> str:
   """The fused rope + ring-write kernel's impl for this block: the fused q/k/v weight's kernel mode ("pallas" |
-  "interpret") where the shapes allow and `rope_write_pallas.ENABLED`, else "ref" (the separate jnp ops)."""
-  if not (rope_write_pallas.ENABLED and m.has_variable("params", "wqkv")):
+  "interpret") where the shapes allow and GLUE_KERNELS, else "ref" (the separate jnp ops)."""
+  if not m.has_variable("params", "wqkv"):
     return "ref"
-  w = m.get_variable("params", "wqkv")
-  mode = {"pallas": "pallas", "interpret": "interpret"}.get(getattr(w, "kernel", "xla"), "ref")
+  mode = glue_impl(m.get_variable("params", "wqkv"))
   if mode != "ref" and rope_write_pallas.supported(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim) is None:
     return mode
   return "ref"
@@ -158,6 +175,7 @@ class MoE(nn.Module):
   """
   cfg: ModelConfig
   index: int = 0           # block index (the expert cache's row)
+  glue: str = "ref"        # routing kernels: "pallas" | "interpret" | "ref" (glue_impl)
 
   @nn.compact
   def __call__(self, x_TD, ecache=None):
@@ -167,20 +185,9 @@ class MoE(nn.Module):
     gate = _param(self, "gate_exps", _init, (E, F, D))
     up = _param(self, "up_exps", _init, (E, F, D))
     down = _param(self, "down_exps", _init, (E, D, F))
-    logits = linear(x_TD, router)                                    # [T, E] float32
-    if c.routing == "softmax":
-      probs = jax.nn.softmax(logits, axis=-1)
-      select = probs
-    else:
-      probs = jax.nn.sigmoid(logits)
-      select = probs + _param(self, "router_bias", _zeros, (E,)).astype(jnp.float32)
-    _, ids = jax.lax.top_k(select, c.top_k)                           # [T, K] int32
-    ids = ids.astype(jnp.int32)
-    w = jnp.take_along_axis(probs, ids, axis=-1)
-    if c.norm_topk:
-      w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 6.103515625e-5)
-    if c.routed_scale not in (0.0, 1.0):
-      w = w * c.routed_scale
+    bias = _param(self, "router_bias", _zeros, (E,)) if c.routing != "softmax" else None
+    ids, w = router_pallas.route(x_TD, router, bias, routing=c.routing, top_k=c.top_k, norm_topk=c.norm_topk,
+                                 routed_scale=c.routed_scale, impl=self.glue, logits_fn=lambda x: linear(x, router))
     T, K = ids.shape
     if ecache is None or T * K > E:
       # The direct path reads every expert of the block (no cache, or a step routing more (token, expert) pairs
@@ -240,12 +247,12 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_TD, pos_T, ring, attn_block, ecache=None, host=None):
     c = self.cfg
-    h = rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps)
+    glue = glue_impl(self.variables.get("params", {}).get("attn", {}))
+    h = add_rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps, impl=glue)
     a, ring, host = Attention(c, self.ring_layer, self.rope_offset, name="attn")(h, pos_T, ring, attn_block, host)
-    x = x_TD + a
-    h = rms_norm(x, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps)
+    x, h = add_rms_norm(x_TD, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=a, impl=glue)
     if c.is_moe_layer(self.index):
-      y, ecache = MoE(c, self.index, name="ffn")(h, ecache)
+      y, ecache = MoE(c, self.index, glue, name="ffn")(h, ecache)
     else:
       y = DenseMLP(c, name="ffn")(h)
     return x + y, ring, ecache, host
@@ -274,8 +281,8 @@ class Decoder(nn.Module):
     x = _embed(embed, tokens_T)
     for i in range(c.n_layers):
       x, ring, ecache, host = Block(c, i, i, name=f"blk_{i}")(x, pos_T, ring, attn_block, ecache, host)
-    hidden = rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps)
     head = embed if c.tied_embeddings else _param(self, "output", _init, (c.vocab_size, c.d_model))
+    hidden = add_rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps, impl=glue_impl(head))
     logits = linear(hidden[-1:] if last_only else hidden, head)
     return logits, hidden, ring, ecache, host
 

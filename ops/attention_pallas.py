@@ -297,20 +297,61 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
       kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=in_specs, out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
       interpret=interpret, name="ring_decode_attention")(*args)
-  o, m, l = outs[:3]
-  o, m, l = o[:, :, :T * G], m[:, :, :T * G], l[:, :, :T * G]
+  if _is_pow2(G):
+    out = merge_splits(*outs[:3], T=T, G=G, with_lse=with_lse, interpret=interpret)
+  else:                      # a G the merge kernel cannot tile: jnp (not batch-invariant on the GPU)
+    out = _merge_jnp(*outs[:3], T=T, G=G, with_lse=with_lse)
+  if count_visits:
+    return out, outs[3][:, :, 0]
+  return out
 
-  # Log-sum-exp merge over the static split axis.
+
+def _merge_jnp(o, m, l, *, T: int, G: int, with_lse: bool):
+  Hkv, _, _, Dh = o.shape
+  o, m, l = o[:, :, :T * G], m[:, :, :T * G], l[:, :, :T * G]
   m_all = jnp.max(m, axis=1, keepdims=True)                    # [Hkv, 1, TG]
   w = jnp.exp(m - m_all)                                       # [Hkv, S, TG]
   l_all = jnp.sum(w * l, axis=1)                               # [Hkv, TG]
   acc = jnp.sum(w[..., None] * o, axis=1)                      # [Hkv, TG, Dh]
   out = acc / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-  out = out.reshape(Hkv, T, G, Dh).transpose(1, 0, 2, 3).reshape(T, Hq, Dh)
+  out = out.reshape(Hkv, T, G, Dh).transpose(1, 0, 2, 3).reshape(T, Hkv * G, Dh)
   if with_lse:
-    m_all = m_all[:, 0]
-    lse = jnp.where(l_all > 0, m_all + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), -jnp.inf)
-    out = out, lse.reshape(Hkv, T, G).transpose(1, 0, 2).reshape(T, Hq)
-  if count_visits:
-    return out, outs[3][:, :, 0]
+    lse = jnp.where(l_all > 0, m_all[:, 0] + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), -jnp.inf)
+    out = out, lse.reshape(Hkv, T, G).transpose(1, 0, 2).reshape(T, Hkv * G)
   return out
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *lse_ref, S: int, G: int):
+  """Program (h, t): the G rows of query t under kv head h, merged over the S splits in split order."""
+  h, t = pl.program_id(0), pl.program_id(1)
+  rows = pl.ds(t * G, G)
+  m_all = jax.lax.fori_loop(0, S, lambda s, mx: jnp.maximum(mx, m_ref[h, s, rows]),
+                            jnp.full((G,), -jnp.inf, jnp.float32))
+
+  def body(s, carry):
+    l_all, acc = carry
+    w = jnp.exp(m_ref[h, s, rows] - m_all)
+    return l_all + w * l_ref[h, s, rows], acc + w[:, None] * o_ref[h, s, rows, :]
+
+  l_all, acc = jax.lax.fori_loop(0, S, body, (jnp.zeros((G,), jnp.float32), jnp.zeros((G, o_ref.shape[-1]), jnp.float32)))
+  out_ref[t, pl.ds(h * G, G), :] = acc / jnp.where(l_all > 0, l_all, 1.0)[:, None]
+  if lse_ref:
+    lse_ref[0][t, pl.ds(h * G, G)] = jnp.where(l_all > 0, m_all + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), -jnp.inf)
+
+
+def merge_splits(o, m, l, *, T: int, G: int, with_lse: bool = False, interpret: bool = False):
+  """Log-sum-exp merge of the split partials (o [Hkv, S, P, Dh], m and l [Hkv, S, P]) into out [T, Hq, Dh] (and
+  lse [T, Hq]): a Pallas kernel, one program per (kv head, query), summing the splits in their fixed order.
+
+  A kernel rather than jnp reductions for batch invariance: XLA's reduction over the split axis picks its order
+  from the whole shape, so a verify pass's rows (P = 16 * T padded rows) would not be summed like a one-query
+  step's; here a query's G rows are merged by the same code for any T (DESIGN invariant 3). It also writes the
+  [T, Hq, Dh] layout directly (no transpose kernel)."""
+  Hkv, S, P, Dh = o.shape
+  out_shape = [jax.ShapeDtypeStruct((T, Hkv * G, Dh), jnp.float32)]
+  if with_lse:
+    out_shape.append(jax.ShapeDtypeStruct((T, Hkv * G), jnp.float32))
+  outs = pl.pallas_call(functools.partial(_merge_kernel, S=S, G=G), out_shape=out_shape, grid=(Hkv, T),
+                        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+                        name="ring_attention_merge")(o, m, l)
+  return (outs[0], outs[1]) if with_lse else outs[0]

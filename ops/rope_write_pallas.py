@@ -35,7 +35,6 @@ from decode.kv_ring import quantize_int8
 from ops.layers import rms_norm, rope_neox
 
 IMPLS = ("ref", "pallas", "interpret")
-ENABLED = True           # the model uses the kernel (with Pallas/interpret matmul kernels); read at trace time
 NUM_WARPS = 4
 
 

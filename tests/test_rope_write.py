@@ -100,6 +100,7 @@ def test_model_with_the_kernel(which, monkeypatch):
   default: glm4moe, partial rotary, q/k/v bias, NextN; qwen3moe: per-head q/k norm, full rotary."""
   from decode.engine import generate
   from decode.speculative import speculative_generate
+  from model import transformer
   from model.loader import load_model
   from ops.qtensor import with_kernels
   from tests.models import model_path
@@ -108,10 +109,10 @@ def test_model_with_the_kernel(which, monkeypatch):
   m.params = with_kernels(m.params, "interpret")
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, 500, 12)]
   kw = dict(max_new_tokens=10, stop_at_eos=False, kv="int8", kv_resident=256)
-  monkeypatch.setattr(rw, "ENABLED", False)               # read at trace time: clear the jit caches around it
+  monkeypatch.setattr(transformer, "GLUE_KERNELS", False)               # read at trace time: clear the jit caches around it
   jax.clear_caches()
   ref = generate(m, prompt, **kw).ids
-  monkeypatch.setattr(rw, "ENABLED", True)
+  monkeypatch.setattr(transformer, "GLUE_KERNELS", True)
   jax.clear_caches()
   calls = []
   orig = rw.rope_write_pallas

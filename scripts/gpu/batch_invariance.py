@@ -25,7 +25,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="seed-mtp")
 ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--T", type=int, default=4)
-ap.add_argument("--rope_write", default="on,off")
+ap.add_argument("--glue", default="on,off", help="model.transformer.GLUE_KERNELS settings of the trunk check")
 a = ap.parse_args()
 cpu = jax.default_backend() == "cpu"
 kern = "interpret" if cpu else "pallas"
@@ -50,6 +50,13 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
          lambda x: jnp.einsum("td,ed->te", x, wr), x)
   report("rms_norm (XLA)", lambda x: rms_norm(x, jnp.ones((D,)), 1e-6), x)
   report("softmax (XLA)", lambda x: jax.nn.softmax(jnp.einsum("td,ed->te", x, wr), axis=-1), x)
+  from ops import rmsnorm_pallas, router_pallas
+  report("rms_norm_pallas (+ residual)", lambda x: rmsnorm_pallas.rms_norm_pallas(x, jnp.ones((D,)), 1e-6, x * 0.5,
+                                                                                  interpret=cpu)[1], x)
+  bias = jnp.asarray(rng.standard_normal(E) * 0.01, jnp.float32)
+  rkw = dict(routing=cfg.routing, top_k=cfg.top_k, norm_topk=cfg.norm_topk, routed_scale=cfg.routed_scale)
+  report("route_pallas: weights", lambda x: router_pallas.route_pallas(x, wr, bias, interpret=cpu, **rkw)[1], x)
+  report("route_pallas: ids", lambda x: router_pallas.route_pallas(x, wr, bias, interpret=cpu, **rkw)[0], x)
   for N, K in ((cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim, D), (D, cfg.n_heads * cfg.head_dim)):
     w = QTensor.from_gguf(quant.random_blocks("Q8_0", (N, K), rng, scale=1e-2), "Q8_0", K).replace(kernel=kern)
     xx = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
@@ -80,13 +87,16 @@ for depth in (1000, 1025):            # 1025: the pass's last query opens a key 
         flush=True)
 
 # the trunk: T decode steps against one T-token forward (the verify pass) from the same prefilled state
-from ops import rope_write_pallas  # noqa: E402
+from model import transformer  # noqa: E402
+if cpu:                                 # the decode attention kernel (interpret mode) for T <= 8, as on the GPU
+  from ops import attention_pallas  # noqa: E402
+  attention.default_impl = lambda T: "interpret" if T <= attention_pallas.MAX_T else "ref"
 small = dataclasses.replace(cfg, n_layers=a.layers)
 params = with_kernels(api.fuse_qkv(random_params(small, types=quant_policy("IQ3_S", "Q8_0"))), kern)
 prompt = jnp.asarray(rng.integers(0, small.vocab_size, 40), jnp.int32)
 toks = jnp.asarray(rng.integers(0, small.vocab_size, T), jnp.int32)
-for rw in a.rope_write.split(","):
-  rope_write_pallas.ENABLED = rw == "on"
+for rw in a.glue.split(","):
+  transformer.GLUE_KERNELS = rw == "on"
   jax.clear_caches()
   outs = []
   for mode in ("steps", "verify"):
@@ -103,5 +113,5 @@ for rw in a.rope_write.split(","):
       outs.append(np.asarray(lg))
   d = np.max(np.abs(outs[0] - outs[1]), axis=-1)
   same = [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
-  print(f"trunk {a.preset} x {a.layers} layers, rope_write {rw}: {T} steps vs a {T}-token pass, max |diff| per "
+  print(f"trunk {a.preset} x {a.layers} layers, glue kernels {rw}: {T} steps vs a {T}-token pass, max |diff| per "
         f"position {[f'{v:.2e}' for v in d]}, argmax equal {same}", flush=True)

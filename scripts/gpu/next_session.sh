@@ -87,9 +87,9 @@ case "${PART:-1}" in
 12) # issue 7 (the 1K decode goal): the step's glue kernels. The fused rope + ring-write kernel against the separate XLA
     # ops, cell by cell in one process, at 1K (ring 4,096) and 32K (ring 32,768: a copy of the aliased ring would
     # show there); then one traced run with XLA's optimized HLO, summarised per kernel with each fusion's ops
-  timeout ${T12A:-260} $S30 --rope_write on,off --cells ${C12:-4096:1024:auto:pallas,32768:32768:auto:pallas} 2>&1 | filt | tail -7
+  timeout ${T12A:-260} $S30 --glue on,off --cells ${C12:-4096:1024:auto:pallas,32768:32768:auto:pallas} 2>&1 | filt | tail -7
   XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" \
-    timeout ${T12B:-200} $S30 --repeats 1 --steps 16 --rope_write ${RW12:-on} --profile $OUT/trace --cells 4096:1024:auto:pallas \
+    timeout ${T12B:-200} $S30 --repeats 1 --steps 16 --glue ${RW12:-on} --profile $OUT/trace --cells 4096:1024:auto:pallas \
     --out $OUT/step-traced.jsonl 2>&1 | filt | tail -2
   h=$(ls $OUT/hlo/*decode_loop*after_optimizations.txt 2>/dev/null | grep -v buffer | head -1)
   f=$(find $OUT/trace -name "*.json.gz" 2>/dev/null | head -1)

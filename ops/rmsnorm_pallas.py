@@ -1,0 +1,69 @@
+"""RMSNorm (optionally after a residual add) as a Pallas kernel (Triton lowering), one program per token, beside its
+reference ops.layers.rms_norm.
+
+Why a kernel for a norm: batch invariance. Greedy speculative decoding is exact only if a verify pass of k + 1
+tokens computes every token's row exactly as a one-token step does (DESIGN invariant 3). XLA's row reductions pick
+their strategy from the whole shape, and on the H200 the norm of a 4-row batch differs from the 1-row norm in the
+last bits (2.4e-7; `scripts/gpu/batch_invariance.py`), enough to flip a 512-expert router and, 48 layers later, a
+greedy token. Here every row is one program running the same code whatever T is, so its bits never depend on the
+batch. It also folds the residual add and the norm's two XLA kernels into one launch.
+
+`add_rms_norm(x, w, eps, res=None, impl=...)`: with `res`, s = x + res and returns (s, norm(s)); without, norm(x).
+Takes D a power of two (the kernel loads whole rows); other shapes run the reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops.layers import rms_norm
+
+IMPLS = ("ref", "pallas", "interpret")
+MAX_T = 16               # decode and verify passes; prefill keeps XLA's norm (its rows need no batch invariance)
+NUM_WARPS = 4
+
+
+def supported(T: int, D: int) -> bool:
+  return 1 <= T <= MAX_T and D > 0 and D & (D - 1) == 0
+
+
+def _kernel(x_ref, w_ref, *refs, eps: float, residual: bool):
+  if residual:
+    r_ref, s_ref, y_ref = refs
+  else:
+    (y_ref,) = refs
+  t = pl.program_id(0)
+  x = x_ref[t, :]
+  if residual:
+    x = x + r_ref[t, :]
+    s_ref[t, :] = x
+  y_ref[t, :] = x * jax.lax.rsqrt(jnp.mean(x * x) + eps) * w_ref[...]     # as rms_norm
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def rms_norm_pallas(x_TD, w_D, eps: float, res_TD=None, *, interpret: bool = False):
+  T, D = x_TD.shape
+  residual = res_TD is not None
+  args = [x_TD.astype(jnp.float32), w_D.astype(jnp.float32)] + ([res_TD.astype(jnp.float32)] if residual else [])
+  out = [jax.ShapeDtypeStruct((T, D), jnp.float32)] * (2 if residual else 1)
+  outs = pl.pallas_call(functools.partial(_kernel, eps=eps, residual=residual), out_shape=out, grid=(T,),
+                        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+                        interpret=interpret, name="rms_norm")(*args)
+  return (outs[0], outs[1]) if residual else outs[0]
+
+
+def add_rms_norm(x_TD, w_D, eps: float, res_TD=None, *, impl: str = "ref"):
+  """norm(x) or, with res, (x + res, norm(x + res)); impl "pallas" | "interpret" runs the kernel where `supported`
+  (x 2-D, T <= MAX_T, D a power of two), "ref" the jnp ops."""
+  if impl not in IMPLS:
+    raise ValueError(f"add_rms_norm: impl {impl!r}, expected one of {IMPLS}")
+  if impl != "ref" and x_TD.ndim == 2 and supported(*x_TD.shape):
+    return rms_norm_pallas(x_TD, w_D, eps, res_TD, interpret=impl == "interpret")
+  if res_TD is None:
+    return rms_norm(x_TD, w_D, eps)
+  s = x_TD + res_TD
+  return s, rms_norm(s, w_D, eps)
