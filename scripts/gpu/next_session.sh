@@ -5,15 +5,17 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-11-30 (fifth session), in priority order:
-#   1. `T3=570 pair.sh 3@AR,BR 3@AN,BN`: the seed's replay and lookup arms on the GPU (issue 7 item 3; the NextN
-#      arms AS/BS ran at 20:15: docs/PERF.md). A replay arm compiles twice: one pair of arms per GPU and call.
-#   2. Prefill (issue 7 item 5, 3,183 tok/s against ~11,300): `PROF11=1 C11=1024 PART=11` traces the GEMM prefill
-#      at the new defaults; then an int8 MMA path for the integer codes and a prefill attention kernel.
-#   3. `pair.sh 1 2`: fused q/k/v A/B, the host tier after its two changes (1K..128K; the cond at 1K), replay
-#      k = 1/3 and lookup after the draftless-step change and the bf16x2 attention (acceptance must stay 100 %).
-#   4. `pair.sh 10 7`: Q8_0 projection tiles at the 30B shapes (the 1K decode goal); attention sweep + step A/B.
-#   5. `pair.sh 9 5`: the 30B slot sweep again with the vectorized ensure (seed-mtp went 66-68 -> 95 tok/s).
+# Still open after 2026-12-01 (sixth session), in priority order:
+#   1. `T3=575 pair.sh 3@AR,BR 3@AN,BN`: the seed's replay and lookup arms on the batch-invariant code (replay must
+#      accept 100 %: it did at 1 seed since bc4b327); does the lookup arms' 7.3 % ring gap (ded51a0) persist?
+#      Then `bench_step` with a host tier at R 32,768 vs 49,152, depth 1K, to see whether a plain step shows it.
+#   2. The 1K decode goal (1.39x at 2477afa, needs 1.5x = 3.58 ms per step): `PART=12` traces the step; split the
+#      rope kernel over heads (4.9 us a call), write activations in the next kernel's x layout (the transposes),
+#      fold the expert k-sum into the down kernel; `pair.sh 10 7` (Q8_0 projection tiles).
+#   3. Prefill (3,183 tok/s against ~11,300): `PROF11=1 C11=1024 PART=11` (traced at 7808f73: the expert GEMMs are
+#      71 % of kernel time, the reference attention's SIMT sgemms 6 % plus its device waits); an int8 MMA path for
+#      the integer codes and a prefill attention kernel.
+#   4. `pair.sh 1 2`: host tier after its changes; replay k = 1/3 and lookup rounds; `pair.sh 9 5`: 30B slot sweep.
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
 set -o pipefail
