@@ -83,7 +83,7 @@ def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half:
   q_out, k_out, v_out, *scale_out = refs
   t = pl.program_id(0)
   p = pos_ref[t]
-  slot = lax_rem(p, capacity)
+  slot = jax.lax.rem(p, jnp.asarray(capacity, p.dtype))
   ang = (p + offset).astype(jnp.float32) * freq_ref[...]               # [half]
   cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
   rd = 2 * half
@@ -103,10 +103,14 @@ def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half:
     y = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
     return y + ([xr] if xr is not None else [])
 
-  def spans():
+  def spans(ys):
+    """Column ranges of the pieces: rotated halves and the rest, or one whole row (v)."""
+    if len(ys) == 1:
+      return [(0, Dh)]
     return [(0, half), (half, half)] + ([(rd, Dh - rd)] if Dh > rd else [])
 
-  for (c0, n), y in zip(spans(), pieces(0, Hq, qn_ref)):
+  q = pieces(0, Hq, qn_ref)
+  for (c0, n), y in zip(spans(q), q):
     q_out[t, :, pl.ds(c0, n)] = y
 
   def store(out_ref, sc_ref, ys):
@@ -115,17 +119,14 @@ def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half:
       for y in ys[1:]:
         amax = jnp.maximum(amax, jnp.max(jnp.abs(y), axis=-1))
       s = amax / 127.0
-      inv = jnp.where(s > 0, s, 1.0)[:, None]
+      div = jnp.where(s > 0, s, 1.0)[:, None]
       sc_ref[slot, :] = s
-      for (c0, n), y in zip(spans_of(ys), ys):
-        r = round_half_even(y / inv)
+      for (c0, n), y in zip(spans(ys), ys):
+        r = round_half_even(y / div)
         out_ref[slot, :, pl.ds(c0, n)] = jnp.clip(r, -127.0, 127.0).astype(out_ref.dtype)
     else:
-      for (c0, n), y in zip(spans_of(ys), ys):
+      for (c0, n), y in zip(spans(ys), ys):
         out_ref[slot, :, pl.ds(c0, n)] = y.astype(out_ref.dtype)
-
-  def spans_of(ys):
-    return spans() if len(ys) > 1 else [(0, Dh)]
 
   store(k_out, scale_out[0] if quant else None, pieces(Hq, Hkv, kn_ref))
   store(v_out, scale_out[1] if quant else None, [qkv_ref[t, pl.ds(Hq + Hkv, Hkv), :]])
@@ -137,10 +138,6 @@ def round_half_even(x):
   d = x - f                                                   # exact, in [0, 1)
   odd = (f - 2.0 * jnp.floor(f * 0.5)) == 1.0
   return f + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
-
-
-def lax_rem(a, b):
-  return jax.lax.rem(a, jnp.asarray(b, a.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_kv_heads", "head_dim", "rope_dim", "theta", "offset", "eps",
