@@ -75,8 +75,7 @@ class Attention(nn.Module):
     T = x_TD.shape[0]
     glue = _rope_write_impl(self, c) if ring is not None else "ref"
     if glue != "ref":                                 # q/k norm, RoPE and the ring write in one kernel
-      qkv = linear(x_TD, self.get_variable("params", "wqkv"),
-                   self.get_variable("params", "bqkv") if c.qkv_bias else None)
+      qkv = self._fused_qkv(x_TD)
       qn = _param(self, "q_norm", _ones, (Dh,)) if c.qk_norm else None
       kn = _param(self, "k_norm", _ones, (Dh,)) if c.qk_norm else None
       L = self.ring_layer
@@ -86,9 +85,7 @@ class Attention(nn.Module):
       ring = ring.with_layer(L, arrays)
       return self._attend(q, pos_T, ring, attn_block, host, wo)
     if self.has_variable("params", "wqkv"):          # fused at load (model.api.fuse_qkv): one matmul, one launch
-      qkv = linear(x_TD, self.get_variable("params", "wqkv"),
-                   self.get_variable("params", "bqkv") if c.qkv_bias else None)
-      q, k, v = jnp.split(qkv, [Hq * Dh, (Hq + Hkv) * Dh], axis=-1)
+      q, k, v = jnp.split(self._fused_qkv(x_TD), [Hq * Dh, (Hq + Hkv) * Dh], axis=-1)
     else:
       wq = _param(self, "wq", _init, (Hq * Dh, D))
       wk = _param(self, "wk", _init, (Hkv * Dh, D))
@@ -108,6 +105,10 @@ class Attention(nn.Module):
       return linear(o.reshape(T, Hq * Dh), wo), ring, host
     ring = ring.write(self.ring_layer, pos_T, k, v)
     return self._attend(q, pos_T, ring, attn_block, host, wo)
+
+  def _fused_qkv(self, x_TD):
+    return linear(x_TD, self.get_variable("params", "wqkv"),
+                  self.get_variable("params", "bqkv") if self.cfg.qkv_bias else None)
 
   def _attend(self, q, pos_T, ring, attn_block, host, wo):
     """Attention of q [T, Hq, Dh] over the ring (its new rows already written), then the output projection."""

@@ -1,4 +1,5 @@
 """ops/: kernels beside their jnp references: quant formats and repacked planes, quantized matmul and MoE for
 decode (Pallas Triton FMA kernels, with a stacked-layer entry) and for prefill (tensor-core GEMMs over
-dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), decode attention over the KV ring, RoPE, RMSNorm, and
-the kernel benchmarks (`bench`, `bench_attention`)."""
+dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), decode attention over the KV ring, RoPE, RMSNorm, the
+per-token glue kernels of decode and verify passes (`rmsnorm_pallas`, `router_pallas`, `rope_write_pallas`:
+batch-invariant norms, routing and ring writes), and the kernel benchmarks (`bench`, `bench_attention`)."""

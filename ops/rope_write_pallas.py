@@ -6,13 +6,13 @@ Why: in a decode step these are ~10 small XLA kernels per layer (two per-head no
 reductions, four ring updates, the splits between them), each a launch of ~1-2 µs on the GPU for a few KB of work;
 480 launches per step on a 48-layer model. One program per token does all of it.
 
-`rope_write_ref` is the reference: the model's own jnp ops (ops.layers.rms_norm, ops.layers.rope_neox,
-decode.kv_ring.quantize_int8 and `.at[slot].set`), which the kernel must match; `rope_write` dispatches.
+`rope_write_ref` is the reference: the model's own jnp ops (ops.layers.rms_norm, ops.layers.rope_neox and
+decode.kv_ring.KVRing.write), which the kernel must match; `rope_write` dispatches.
 
 Kernel. Grid (T,): program t reads row t of qkv as [H, Dh] head tiles (q heads, then k, then v), computes the norm
 over each head's whole row, rotates the halves [0, rope_dim/2) and [rope_dim/2, rope_dim) (loaded as their own
 column slices: Triton has no lane permutation), and stores the pieces. The ring arrays are aliased inputs and
-outputs (`input_output_aliases`): only the T rows at slots (pos + 0) mod R are written, nothing is copied. Rounding
+outputs (`input_output_aliases`): only the T rows at slots pos mod R are written, nothing is copied. Rounding
 to int8 is round-half-to-even from floor (`round_half_even`: Triton has no round, and XLA simplifies the
 1.5 * 2**23 trick away in interpret mode). Differences from the reference on the GPU: Triton's float32 division, cos/sin and rsqrt are
 libdevice's, not XLA's, so an int8 code at a rounding tie may differ by one; in interpret mode (CPU tests) the
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from decode.kv_ring import quantize_int8
+from decode.kv_ring import KVRing
 from ops.layers import rms_norm, rope_neox
 
 IMPLS = ("ref", "pallas", "interpret")
@@ -66,13 +66,10 @@ def rope_write_ref(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv
   q = rope_neox(q, pos_T + offset, rope_dim, theta)
   k = rope_neox(k, pos_T + offset, rope_dim, theta)
   kr, vr, ks, vs = ring_kv
-  slots = pos_T % kr.shape[0]
-  if ks is not None:
-    kq, ksc = quantize_int8(k)
-    vq, vsc = quantize_int8(v)
-    return q, (kr.at[slots].set(kq), vr.at[slots].set(vq), ks.at[slots].set(ksc), vs.at[slots].set(vsc))
-  return q, (kr.at[slots].set(k.astype(kr.dtype)), vr.at[slots].set(v.astype(vr.dtype)), None, None)
-
+  dtype = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}[kr.dtype]
+  one = KVRing((kr,), (vr,), None if ks is None else (ks,), None if vs is None else (vs,), jnp.zeros((), jnp.int32),
+               kr.shape[0], dtype)
+  return q, one.write(0, pos_T, k, v).layer(0)
 
 def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half: int, offset: int, eps: float,
             capacity: int, qk_norm: bool, quant: bool):
