@@ -73,9 +73,13 @@ class HostTier:
                         v_scale=copy(self.v_scale, ring.v_scale))
 
 
-def evict_leaving(tier: HostTier, ring: KVRing, pos_T: jax.Array) -> HostTier:
+def evict_leaving(tier: HostTier, ring: KVRing, pos_T: jax.Array) -> tuple[HostTier, KVRing]:
   """`evict` for every layer before a forward pass of positions pos_T writes the ring (each layer's ring is
-  unchanged until then, so this equals evicting layer by layer before each write). With SKIP_IDLE_EVICT the
+  unchanged until then, so this equals evicting layer by layer before each write). Returns (tier, ring): the
+  forward pass must write the ring returned here. It leaves an optimization barrier over both, which orders
+  every read of the evict before the layers' in-place ring writes; without it XLA could not prove that order
+  and copied every layer's whole ring per step (and per branch of a round's cond), a cost proportional to the
+  capacity at any depth (tests/test_ring.py::test_host_tier_steps_never_copy_the_ring). With SKIP_IDLE_EVICT the
   whole copy sits under one lax.cond that runs only when a position leaves the window (pos_T[-1] >= W), so
   shallow requests never touch host memory; measured on the GPU without the cond (commit d45edc3): 11 ms per
   step of small host round trips at depth 1K (docs/PERF.md)."""
@@ -84,8 +88,10 @@ def evict_leaving(tier: HostTier, ring: KVRing, pos_T: jax.Array) -> HostTier:
       t = t.evict(ring, layer, pos_T)
     return t
   if not SKIP_IDLE_EVICT:
-    return run(tier)
-  return jax.lax.cond(pos_T[-1] >= ring.window, run, lambda t: t, tier)
+    t = run(tier)
+  else:
+    t = jax.lax.cond(pos_T[-1] >= ring.window, run, lambda t: t, tier)
+  return jax.lax.optimization_barrier((t, ring))
 
 
 def tier_block(window: int, attn_block: int) -> int:

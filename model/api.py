@@ -94,7 +94,7 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only:
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   host = state.host
   if host is not None:            # positions leaving the ring's window move to the tier before any layer writes
-    host = evict_leaving(host, ring, pos)
+    host, ring = evict_leaving(host, ring, pos)
   with jax.default_matmul_precision(MATMUL_PRECISION):
     logits, hidden, ring, experts, host = Decoder(cfg).apply(
         {"params": trunk_params(params)}, tokens_T.astype(jnp.int32), pos, ring, _block(ring, attn_block), last_only,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -204,3 +205,37 @@ def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   got = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
   assert got.ids == base.ids
+
+
+def _ring_copies(hlo: str, ring: KVRing) -> int:
+  """Copies of a whole ring array (K/V codes [R, Hkv, Dh] or their scales [R, Hkv]) in an optimized HLO module."""
+  R, Hkv, Dh = ring.k[0].shape
+  pat = re.compile(rf"= (s8\[{R},{Hkv},{Dh}\]|f32\[{R},{Hkv}\])\S* copy\(")
+  return sum(1 for line in hlo.splitlines() if pat.search(line))
+
+
+@pytest.mark.parametrize("drafter", ["plain", "lookup", "mtp"])
+def test_host_tier_steps_never_copy_the_ring(drafter):
+  """A step or speculative round with a host tier attached updates the ring in place: the compiled program holds
+  no copy of a whole ring array. The tier's evict reads ring rows that the layers then overwrite in place; with
+  those reads unordered against the writes, XLA copied every layer's ring in each step (in a lookup round: in
+  the loop body and again in each branch of its draftless `lax.cond`), a cost proportional to the capacity R
+  at any depth, the seed report's shape (a larger ring slower at 1K). `host_tier.evict_leaving` orders them
+  with an optimization barrier. Checked on the XLA CPU compiler."""
+  from decode import bench, speculative as sp
+  from decode.engine import GenConfig, start_request
+  m = bench._in_memory_model("tiny-glm4moe", "IQ3_S")
+  k, prompt = 3, list(range(1, 40))
+  gen = GenConfig(kv="int8", kv_resident=1024, max_new_tokens=16, max_context=8192)
+  st = start_request(m, prompt, gen, k=0 if drafter == "plain" else k, mtp_window=256 if drafter == "mtp" else None)
+  assert st.state.host is not None and st.state.ring.capacity == 1024
+  if drafter == "plain":
+    lowered = api.decode_step.lower(m.params, jnp.int32(1), st.state, cfg=m.cfg)
+  else:
+    H, z = 128, jnp.zeros((k,), jnp.int32)
+    s = sp.SpecState(st.state, jnp.zeros((H,), jnp.int32), jnp.int32(40), jnp.int32(39),
+                     jnp.zeros((k + 1, m.cfg.d_model)), jnp.zeros((k + 1,), jnp.int32), jnp.int32(1),
+                     jax.random.PRNGKey(0), jnp.asarray(False), z, z, jnp.int32(0))
+    lowered = sp.spec_loop.lower(m.params, s, jnp.full((H,), -1, jnp.int32), jnp.int32(-1), jnp.int32(16),
+                                 cfg=m.cfg, k=k, drafter=drafter, temperature=0.0, top_p=1.0)
+  assert _ring_copies(lowered.compile().as_text(), st.state.ring) == 0
