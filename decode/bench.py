@@ -57,8 +57,8 @@ flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[
                     "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
                          "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
-flags.DEFINE_bool("host_skip_idle", False, "host tier (max_context > ring): skip the per-step copy into the tier "
-                  "while no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
+flags.DEFINE_bool("host_skip_idle", False, "host tier (max_context > ring): run the ring-only trunk under one "
+                  "lax.cond per pass while no position has left the ring (decode.host_tier.SKIP_IDLE_TIER)")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's: 1,024 on "
                      "a GPU, 8 with expert slots, 2,048 on CPU)")
 flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
@@ -303,7 +303,7 @@ def main(argv):
   model.params = with_kernels(model.params, FLAGS.kernels)
   from decode import host_tier
   from ops import attention_pallas
-  host_tier.SKIP_IDLE_EVICT = FLAGS.host_skip_idle          # read at trace time
+  host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle          # read at trace time
   if FLAGS.attn_kernel:
     attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
   arms, bars = _arms()

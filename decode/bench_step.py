@@ -40,8 +40,8 @@ flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
-flags.DEFINE_bool("host_skip_idle", False, "host tier: evict under one lax.cond per step that skips it while "
-                  "no position leaves the ring (decode.host_tier.SKIP_IDLE_EVICT)")
+flags.DEFINE_bool("host_skip_idle", False, "host tier: run the ring-only trunk under one lax.cond per step "
+                  "while no position has left the ring (decode.host_tier.SKIP_IDLE_TIER)")
 flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
                     "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
@@ -145,7 +145,7 @@ def main(argv):
   from ops.qtensor import with_kernels
   from decode import host_tier
   from ops import attention_pallas
-  host_tier.SKIP_IDLE_EVICT = FLAGS.host_skip_idle      # read at trace time
+  host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle      # read at trace time
   from model import transformer
   if not set(FLAGS.glue) <= {"on", "off"}:
     raise app.UsageError(f"--glue {FLAGS.glue}: expected on, off or on,off")

@@ -24,9 +24,11 @@ from decode.kv_ring import KVRing, layer_arrays
 from ops.attention import in_host_memory
 
 HOST_BLOCK = 4096          # positions per block of attention over the tier (tier_block)
-# Evict under one lax.cond per step (evict_leaving). Off by default until it has run on a GPU (a conditional
-# over arrays in pinned host memory); the unconditional copy ran there (commit d45edc3). Tested on CPU both ways.
-SKIP_IDLE_EVICT = False
+# Skip the tier (its evict and its attention) under one lax.cond per forward pass while no position has left the
+# ring's window (model.api.forward). Without it every layer's tier attention runs a dynamic-bound loop even
+# when it has nothing to visit: on a GPU each such loop waits for its bound on the host, 48 waits per step of
+# the seed-mtp shape (~1.2-1.5 ms at depth 1K, docs/PERF.md). Tested on CPU both ways.
+SKIP_IDLE_TIER = False
 
 
 @struct.dataclass
@@ -79,18 +81,10 @@ def evict_leaving(tier: HostTier, ring: KVRing, pos_T: jax.Array) -> tuple[HostT
   forward pass must write the ring returned here. It leaves an optimization barrier over both, which orders
   every read of the evict before the layers' in-place ring writes; without it XLA could not prove that order
   and copied every layer's whole ring per step (and per branch of a round's cond), a cost proportional to the
-  capacity at any depth (tests/test_ring.py::test_host_tier_steps_never_copy_the_ring). With SKIP_IDLE_EVICT the
-  whole copy sits under one lax.cond that runs only when a position leaves the window (pos_T[-1] >= W), so
-  shallow requests never touch host memory; measured on the GPU without the cond (commit d45edc3): 11 ms per
-  step of small host round trips at depth 1K (docs/PERF.md)."""
-  def run(t):
-    for layer in range(len(t.k)):
-      t = t.evict(ring, layer, pos_T)
-    return t
-  if not SKIP_IDLE_EVICT:
-    t = run(tier)
-  else:
-    t = jax.lax.cond(pos_T[-1] >= ring.window, run, lambda t: t, tier)
+  capacity at any depth (tests/test_ring.py::test_host_tier_steps_never_copy_the_ring)."""
+  t = tier
+  for layer in range(len(t.k)):
+    t = t.evict(ring, layer, pos_T)
   return jax.lax.optimization_barrier((t, ring))
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from decode import host_tier
 from decode.host_tier import evict_leaving
 from decode.kv_ring import KVRing
 from model.config import ModelConfig
@@ -89,16 +90,37 @@ def _block(ring: KVRing, attn_block: int) -> int:
 
 def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only: bool = False,
             attn_block: int = ATTN_BLOCK):
-  """Run the trunk on T new tokens at positions ring.length + [0, T): (logits, hidden, state)."""
+  """Run the trunk on T new tokens at positions ring.length + [0, T): (logits, hidden, state).
+
+  With a host tier, positions leaving the ring's window move to the tier before any layer writes, and each
+  layer's attention merges the ring's part with the tier's. With host_tier.SKIP_IDLE_TIER a pass in which no
+  position has left the window yet (pos[-1] < window: the tier holds nothing visible) runs the ring-only trunk
+  under one lax.cond instead: one predicate per pass rather than one dynamic-bound tier loop per layer."""
   ring = state.ring
+  tokens_T = tokens_T.astype(jnp.int32)
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
-  host = state.host
-  if host is not None:            # positions leaving the ring's window move to the tier before any layer writes
+  block = _block(ring, attn_block)
+
+  def trunk(ring, experts, host):
+    with jax.default_matmul_precision(MATMUL_PRECISION):
+      return Decoder(cfg).apply({"params": trunk_params(params)}, tokens_T, pos, ring, block, last_only, experts,
+                                host)
+
+  def with_tier(ring, experts, host):
     host, ring = evict_leaving(host, ring, pos)
-  with jax.default_matmul_precision(MATMUL_PRECISION):
-    logits, hidden, ring, experts, host = Decoder(cfg).apply(
-        {"params": trunk_params(params)}, tokens_T.astype(jnp.int32), pos, ring, _block(ring, attn_block), last_only,
-        state.experts, host)
+    return trunk(ring, experts, host)
+
+  def ring_only(ring, experts, host):
+    logits, hidden, ring, experts, _ = trunk(ring, experts, None)
+    return logits, hidden, ring, experts, host
+
+  if state.host is None:
+    logits, hidden, ring, experts, host = trunk(ring, state.experts, None)
+  elif host_tier.SKIP_IDLE_TIER:
+    logits, hidden, ring, experts, host = jax.lax.cond(pos[-1] >= ring.window, with_tier, ring_only, ring,
+                                                       state.experts, state.host)
+  else:
+    logits, hidden, ring, experts, host = with_tier(ring, state.experts, state.host)
   return logits, hidden, state.replace(ring=ring.advance(tokens_T.shape[0]), experts=experts, host=host)
 
 

@@ -185,10 +185,10 @@ def test_host_tier_beside_the_attention_kernel_equals_full_cache(monkeypatch, re
 def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_idle):
   """The tier placed in pinned_host memory (as on a GPU; jax's CPU client has the kind) runs the jitted steps
   through host-memory slices and updates only, and gives the same tokens and bitwise the same logits as the
-  tier in device memory; with and without the idle-evict cond (host_tier.SKIP_IDLE_EVICT)."""
+  tier in device memory; with and without the idle-evict cond (host_tier.SKIP_IDLE_TIER)."""
   from decode import host_tier
   from decode.engine import GenConfig, start_request
-  monkeypatch.setattr(host_tier, "SKIP_IDLE_EVICT", skip_idle)   # read at trace time: drop compiled steps
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip_idle)   # read at trace time: drop compiled steps
   jax.clear_caches()
   request.addfinalizer(jax.clear_caches)
   m = _model()
@@ -214,16 +214,21 @@ def _ring_copies(hlo: str, ring: KVRing) -> int:
   return sum(1 for line in hlo.splitlines() if pat.search(line))
 
 
-@pytest.mark.parametrize("drafter", ["plain", "lookup", "mtp"])
-def test_host_tier_steps_never_copy_the_ring(drafter):
+@pytest.mark.parametrize("drafter,skip_idle", [("plain", False), ("lookup", False), ("mtp", False), ("plain", True),
+                                               ("lookup", True)])
+def test_host_tier_steps_never_copy_the_ring(drafter, skip_idle, monkeypatch, request):
   """A step or speculative round with a host tier attached updates the ring in place: the compiled program holds
   no copy of a whole ring array. The tier's evict reads ring rows that the layers then overwrite in place; with
   those reads unordered against the writes, XLA copied every layer's ring in each step (in a lookup round: in
   the loop body and again in each branch of its draftless `lax.cond`), a cost proportional to the capacity R
   at any depth, the seed report's shape (a larger ring slower at 1K). `host_tier.evict_leaving` orders them
-  with an optimization barrier. Checked on the XLA CPU compiler."""
-  from decode import bench, speculative as sp
+  with an optimization barrier; with SKIP_IDLE_TIER the trunk runs under a cond whose two branches must not
+  copy it either. Checked on the XLA CPU compiler."""
+  from decode import bench, host_tier, speculative as sp
   from decode.engine import GenConfig, start_request
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip_idle)   # read at trace time: drop compiled steps
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
   m = bench._in_memory_model("tiny-glm4moe", "IQ3_S")
   k, prompt = 3, list(range(1, 40))
   gen = GenConfig(kv="int8", kv_resident=1024, max_new_tokens=16, max_context=8192)
@@ -239,3 +244,29 @@ def test_host_tier_steps_never_copy_the_ring(drafter):
     lowered = sp.spec_loop.lower(m.params, s, jnp.full((H,), -1, jnp.int32), jnp.int32(-1), jnp.int32(16),
                                  cfg=m.cfg, k=k, drafter=drafter, temperature=0.0, top_p=1.0)
   assert _ring_copies(lowered.compile().as_text(), st.state.ring) == 0
+
+
+def test_idle_tier_skip_crosses_the_window_exactly(monkeypatch, request):
+  """host_tier.SKIP_IDLE_TIER: a prompt shorter than the ring's window runs the ring-only trunk (one cond per
+  pass) until generation moves positions out of the window, then the tier's path. Same greedy tokens as one ring
+  holding everything, and the same logits as without the skip (the skipped tier partial is empty: merging it
+  changes nothing)."""
+  from decode import host_tier
+  from decode.engine import GenConfig, start_request
+  request.addfinalizer(jax.clear_caches)
+  m = _model()
+  prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 200)]
+  big = generate(m, prompt, max_new_tokens=90, stop_at_eos=False, kv="int8", kv_resident=2048)
+  logits = {}
+  for skip in (False, True):
+    monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip)
+    jax.clear_caches()
+    got = generate(m, prompt, max_new_tokens=90, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+    assert got.ids == big.ids, f"skip={skip}"
+    st = start_request(m, prompt, GenConfig(max_new_tokens=90, kv="int8", kv_resident=256, max_context=1024))
+    out, state = [], st.state
+    for t in big.ids[:70]:                    # positions 200 .. 269 cross the window (256) at step 56
+      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg)
+      out.append(np.asarray(l))
+    logits[skip] = np.stack(out)
+  np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)

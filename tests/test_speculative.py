@@ -128,7 +128,7 @@ def test_greedy_speculative_with_a_host_tier_equals_plain_greedy(drafter, skip_i
   verify passes that move positions into the host tier as they leave the window; the tokens of plain greedy
   decoding on one ring that holds everything, and the same acceptance as speculative decoding on that ring."""
   from decode import host_tier
-  monkeypatch.setattr(host_tier, "SKIP_IDLE_EVICT", skip_idle)   # read at trace time: drop compiled steps
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip_idle)   # read at trace time: drop compiled steps
   jax.clear_caches()
   request.addfinalizer(jax.clear_caches)
   prompt = _prompt(600, seed=4)
