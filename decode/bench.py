@@ -57,7 +57,7 @@ flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[
                     "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
                          "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
-flags.DEFINE_bool("host_skip_idle", False, "host tier (max_context > ring): run the ring-only trunk under one "
+flags.DEFINE_bool("host_skip_idle", True, "host tier (max_context > ring): run the ring-only trunk under one "
                   "lax.cond per pass while no position has left the ring (decode.host_tier.SKIP_IDLE_TIER)")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's: 1,024 on "
                      "a GPU, 8 with expert slots, 2,048 on CPU)")

@@ -40,7 +40,7 @@ flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
-flags.DEFINE_bool("host_skip_idle", False, "host tier: run the ring-only trunk under one lax.cond per step "
+flags.DEFINE_bool("host_skip_idle", True, "host tier: run the ring-only trunk under one lax.cond per step "
                   "while no position has left the ring (decode.host_tier.SKIP_IDLE_TIER)")
 flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
                     "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")

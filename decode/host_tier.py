@@ -27,8 +27,9 @@ HOST_BLOCK = 4096          # positions per block of attention over the tier (tie
 # Skip the tier (its evict and its attention) under one lax.cond per forward pass while no position has left the
 # ring's window (model.api.forward). Without it every layer's tier attention runs a dynamic-bound loop even
 # when it has nothing to visit: on a GPU each such loop waits for its bound on the host, 48 waits per step of
-# the seed-mtp shape (~1.2-1.5 ms at depth 1K, docs/PERF.md). Tested on CPU both ways.
-SKIP_IDLE_TIER = False
+# the seed-mtp shape. Measured on the H200 (docs/PERF.md, "The seed experiment"): at depth 1K a step with a
+# tier took 6.0-6.4 ms without the skip, 4.72 ms with it, 4.69 ms without a tier. Tested on CPU both ways.
+SKIP_IDLE_TIER = True
 
 
 @struct.dataclass

@@ -5,17 +5,17 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-01 (sixth session), in priority order:
-#   1. `T3=575 pair.sh 3@AR,BR 3@AN,BN`: the seed's replay and lookup arms on the batch-invariant code (replay must
-#      accept 100 %: it did at 1 seed since bc4b327); does the lookup arms' 7.3 % ring gap (ded51a0) persist?
-#      Then `bench_step` with a host tier at R 32,768 vs 49,152, depth 1K, to see whether a plain step shows it.
+# Still open after 2026-12-01 (seventh session), in priority order:
+#   1. The seed4 arms done at 490ae0f (all bars pass); rerun with the idle-tier skip on (default since b044911):
+#      `ONLY=AN,BN T3=400 PART=3`, `ONLY=AR,BR`, `ONLY=AS,BS` (~5 min each on one GPU).
 #   2. The 1K decode goal (1.39x at 2477afa, needs 1.5x = 3.58 ms per step): `PART=12` traces the step; split the
 #      rope kernel over heads (4.9 us a call), write activations in the next kernel's x layout (the transposes),
-#      fold the expert k-sum into the down kernel; `pair.sh 10 7` (Q8_0 projection tiles).
+#      fold the expert k-sum into the down kernel; `PART=10` then `PART=7` (Q8_0 projection tiles).
 #   3. Prefill (3,183 tok/s against ~11,300): `PROF11=1 C11=1024 PART=11` (traced at 7808f73: the expert GEMMs are
 #      71 % of kernel time, the reference attention's SIMT sgemms 6 % plus its device waits); an int8 MMA path for
 #      the integer codes and a prefill attention kernel.
-#   4. `pair.sh 1 2`: host tier after its changes; replay k = 1/3 and lookup rounds; `pair.sh 9 5`: 30B slot sweep.
+#   4. Deep tier steps (128K: 148-174 ms per step on seed-mtp): the tier attention still waits on the host once
+#      per layer (dynamic loop bounds) and moves blocks over PCIe; `pair.sh 9 5`: 30B slot sweep.
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
 set -o pipefail
@@ -50,7 +50,7 @@ case "${PART:-1}" in
     # the plain evict (17.6 ms a step at 1K, measured), SKIP=--host_skip_idle to try the cond again
   timeout ${T3:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
     --expert_cache auto ${ONLY:+--only $ONLY} \
-    ${SKIP:---nohost_skip_idle} --max_new_tokens 256 --seeds ${SEEDS:-3} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
+    ${SKIP:---host_skip_idle} --max_new_tokens 256 --seeds ${SEEDS:-3} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
 4)  # issue 6: the seed's 24 GiB card on seed-mtp (experts do not fit: auto slots), ring +16K, drafts on/off
   timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
     --expert_cache auto --rings 32768,49152 --drafts none,replay@3 --depths 1024 --max_new_tokens 64 --seeds 1 \
