@@ -1,5 +1,6 @@
 """ops/: kernels beside their jnp references: quant formats and repacked planes, quantized matmul and MoE for
 decode (Pallas Triton FMA kernels, with a stacked-layer entry) and for prefill (tensor-core GEMMs over
-dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), decode attention over the KV ring, RoPE, RMSNorm, the
+dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), attention over the KV ring (decode: `attention_pallas`;
+prefill: `prefill_attention_pallas`, off by default until measured on a GPU), RoPE, RMSNorm, the
 per-token glue kernels of decode and verify passes (`rmsnorm_pallas`, `router_pallas`, `rope_write_pallas`:
 batch-invariant norms, routing and ring writes), and the kernel benchmarks (`bench`, `bench_attention`)."""

@@ -16,11 +16,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ops import attention_pallas
+from ops import attention_pallas, prefill_attention_pallas
 
 NEG_INF = -1e30
 IMPLS = ("ref", "pallas", "interpret")
 DEFAULT_GPU_IMPL = "pallas"    # what default_impl picks on a GPU for decode/verify; "ref" to switch the kernel off
+# ... and for prefill (T > MAX_T): "pallas" runs ops/prefill_attention_pallas. "ref" until it has been measured
+# against the chunked reference on a GPU (scripts/gpu/prefill_probe.py --variants "default;attn=pallas").
+PREFILL_GPU_IMPL = "ref"
 PREFILL_Q_CHUNK = 512          # queries per chunk of the prefill reference: [512, Hq, block] f32 scores live
 
 
@@ -153,19 +156,21 @@ def ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T,
 
 
 def default_impl(T: int) -> str:
-  """"pallas" on a GPU backend (CUDA or ROCm) for decode/verify (T <= MAX_T), else "ref". Read at trace time."""
-  if jax.default_backend() in ("gpu", "cuda", "rocm") and T <= attention_pallas.MAX_T:
-    return DEFAULT_GPU_IMPL
+  """On a GPU backend (CUDA or ROCm): DEFAULT_GPU_IMPL for decode/verify (T <= MAX_T), PREFILL_GPU_IMPL for
+  prefill; elsewhere "ref". Read at trace time."""
+  if jax.default_backend() in ("gpu", "cuda", "rocm"):
+    return DEFAULT_GPU_IMPL if T <= attention_pallas.MAX_T else PREFILL_GPU_IMPL
   return "ref"
 
 
 def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
                    impl: str | None = None, layer=None, with_lse: bool = False):
-  """Dispatcher: the Pallas decode kernel (ops/attention_pallas.py) or the jnp reference.
+  """Dispatcher: the Pallas decode kernel (ops/attention_pallas.py, T <= MAX_T), the Pallas prefill kernel
+  (ops/prefill_attention_pallas.py, T > MAX_T) or the jnp reference.
 
-  impl (static): "ref" | "pallas" | "interpret" (the kernel in Pallas interpret mode, CPU tests) | None
-  (default_impl: pallas on GPU for T <= MAX_T, ref elsewhere). Prefill (T > MAX_T) always takes the
-  reference, chunked over queries. Rings are one layer [R, Hkv, Dh] (layer None) or the whole stack
+  impl (static): "ref" | "pallas" | "interpret" (the kernels in Pallas interpret mode, CPU tests) | None
+  (default_impl). Prefill beside a host tier (with_lse and T > MAX_T) takes the reference, chunked over
+  queries. Rings are one layer [R, Hkv, Dh] (layer None) or the whole stack
   [L, R, Hkv, Dh] with `layer` (int or int32 scalar): pass the stack, since slicing `ring.k[L]` outside
   makes XLA copy the whole layer (R-proportional bytes) before a custom call or a loop.
   Under the default impl, shapes the kernel does not take (see attention_pallas.supported) fall back to the
@@ -185,6 +190,14 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
           interpret=chosen == "interpret", with_lse=with_lse)
     if impl is not None:
       raise ValueError(f"ring_attention: impl={impl!r} cannot take this call: {why}")
+  elif chosen != "ref" and not with_lse:
+    why = prefill_attention_pallas.supported(Hq, k_ring.shape[-2], Dh, block)
+    if why is None:
+      return prefill_attention_pallas.prefill_attention_pallas(
+          q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
+          interpret=chosen == "interpret")
+    if impl is not None:
+      raise ValueError(f"ring_attention: impl={impl!r} cannot take this prefill call: {why}")
   if with_lse:
     return attention_with_lse(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,
                               scale=scale)

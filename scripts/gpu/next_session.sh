@@ -12,8 +12,9 @@
 #      rope kernel over heads (4.9 us a call), write activations in the next kernel's x layout (the transposes),
 #      fold the expert k-sum into the down kernel; `PART=10` then `PART=7` (Q8_0 projection tiles).
 #   3. Prefill (3,183 tok/s against ~11,300): `PROF11=1 C11=1024 PART=11` (traced at 7808f73: the expert GEMMs are
-#      71 % of kernel time, the reference attention's SIMT sgemms 6 % plus its device waits); an int8 MMA path for
-#      the integer codes and a prefill attention kernel.
+#      71 % of kernel time, the reference attention's SIMT sgemms 6 % plus its device waits); first the prefill
+#      attention kernel A/B (new, unmeasured): `T11A=1 C11=1024 V11="default;attn=pallas" PART=11`, then flip
+#      ops.attention.PREFILL_GPU_IMPL if it wins; then an int8 MMA path for the integer codes.
 #   4. Deep tier steps (128K: 148-174 ms per step on seed-mtp): the tier attention still waits on the host once
 #      per layer (dynamic loop bounds) and moves blocks over PCIe; `pair.sh 9 5`: 30B slot sweep.
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes

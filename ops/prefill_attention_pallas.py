@@ -1,0 +1,176 @@
+"""Prefill attention over the KV ring: a flash-attention Pallas kernel for T > attention_pallas.MAX_T queries.
+
+Same semantics as ops/attention.py::ring_attention_ref (one layer [R, Hkv, Dh] or a stack with its layer index;
+f32 | bf16 | int8 with absmax scales): query t at position q_pos[t] sees key positions p with
+max(length - R, 0) <= p <= q_pos[t]. It replaces the chunked jnp reference on the GPU for prompt chunks, whose
+dynamic-bound block loops run as host-driven XLA while loops (one device-to-host wait per block and layer: 384
+per 1,024-token call of the 30B shape) around float32 SIMT matmuls (docs/PERF.md, "Prefill").
+
+Tiling.
+  rows    a program takes BQ consecutive queries times the G = Hq/Hkv query heads of one kv head, row r =
+          t*G + g (BM = BQ*G rows, a power of two >= 16); padded queries get position -1 (all masked).
+  grid    (Hkv, ceil(T / BQ)). Program (h, j) runs an online softmax (float32) over the key tiles of `bk`
+          positions from the first live tile to the tile of its own last query (causal: early programs stop
+          early), reading K and V of head h straight from the ring (tile i = positions [i*bk, (i+1)*bk) in
+          the contiguous slots from (i*bk) mod R; bk divides the ring's block, so a tile never wraps), and
+          writes its normalised rows. The tile loop runs inside the kernel: no host round trip.
+  dots    as the decode kernel (attention_pallas): bf16x2 for int8 and bf16 rings (K and V exact in bf16, q and
+          p split into bf16 high + remainder, float32 accumulation), 3xTF32 for float32 rings.
+
+The prefill pass is shared by plain and speculative decoding (a verify pass of up to MAX_T queries runs the
+decode kernel), so this kernel needs no batch invariance; each row still depends on its own query only.
+A host tier's merge needs the log-sum-exp, which this kernel does not return: prefill beside a tier keeps
+the reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops.attention_pallas import NEG_INF, _dot, _dot_bf16x2, _is_pow2, dots_for, live_tiles
+
+# head_dim -> (BM rows per program, bk key tile, num_warps, num_stages); bk is further capped by the ring's block.
+TUNING = {
+    64: (64, 64, 4, 2),
+    128: (64, 64, 4, 2),
+    256: (32, 32, 4, 2),
+}
+DEFAULT_TUNING = (64, 64, 4, 2)
+
+
+def tuning(head_dim: int, block: int, G: int) -> tuple[int, int, int, int]:
+  """(BQ queries per program, bk, warps, stages) for this head_dim, ring block and group size G."""
+  bm, bk, warps, stages = TUNING.get(head_dim, DEFAULT_TUNING)
+  bq = max(1, bm // G, -(-16 // G))           # at least 16 rows: tl.dot needs M >= 16
+  return bq, min(bk, block), warps, stages
+
+
+def supported(n_heads: int, n_kv_heads: int, head_dim: int, block: int) -> str | None:
+  """None when the kernel takes this shape, else the reason it does not."""
+  if n_heads % n_kv_heads or not _is_pow2(n_heads // n_kv_heads):
+    return f"Hq/Hkv = {n_heads}/{n_kv_heads} is not a power of two"
+  if not (_is_pow2(head_dim) and head_dim >= 16):
+    return f"head_dim={head_dim} is not a power of two >= 16"
+  if not (_is_pow2(block) and block >= 16):
+    return f"block={block} is not a power of two >= 16"
+  return None
+
+
+def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool, tc: bool,
+            dots: str):
+  """Program (h, j): rows of query block j under kv head h, online softmax over their live causal tiles."""
+  if quant:
+    ks_ref, vs_ref, o_ref = refs
+  else:
+    (o_ref,) = refs
+  h = pl.program_id(0)
+  layer, first, oldest = meta_ref[0], meta_ref[1], meta_ref[2]
+  q = q_ref[...]                                   # [BM, Dh] float32, pre-scaled
+  rowpos = rowpos_ref[...]                         # [BM] int32, -1 on padded rows
+  BM, Dh = q.shape
+  n_slot_tiles = capacity // bk
+  end = jnp.max(rowpos) // bk + 1                  # one past the tile of the block's last query
+  kv_t = jnp.bfloat16 if dots == "bf16x2" else jnp.float32
+  dot = _dot_bf16x2 if dots == "bf16x2" else functools.partial(_dot, tc=tc)
+
+  def body(i, carry):
+    m, l, acc = carry
+    slot0 = pl.multiple_of(lax.rem(i, n_slot_tiles) * bk, bk)
+    k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)                # [bk, Dh]
+    v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)
+    sc = dot(q, k, 1)                                                      # [BM, bk]
+    if quant:
+      sc = sc * ks_ref[layer, pl.ds(slot0, bk), h][None, :]
+    kpos = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    ok = (kpos <= rowpos[:, None]) & (kpos >= oldest)
+    sc = jnp.where(ok, sc, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    p = jnp.where(ok, jnp.exp(sc - m_new[:, None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=1)
+    pv = p * vs_ref[layer, pl.ds(slot0, bk), h][None, :] if quant else p
+    acc = acc * corr[:, None] + dot(pv, v, 0)
+    return m_new, l, acc
+
+  init = (jnp.full((BM,), NEG_INF, jnp.float32), jnp.zeros((BM,), jnp.float32), jnp.zeros((BM, Dh), jnp.float32))
+  _, l, acc = lax.fori_loop(first, end, body, init)
+  o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bq", "bk", "num_warps", "num_stages",
+                                             "dots"))
+def prefill_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int,
+                             scale: float, interpret: bool = False, bq: int | None = None, bk: int | None = None,
+                             num_warps: int | None = None, num_stages: int | None = None,
+                             dots: str | None = None):
+  """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref, for any T. Returns [T, Hq, Dh] float32.
+
+  k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
+  k_scale/v_scale: [(L,) R, Hkv] or None. bq, bk, num_warps, num_stages override the tuning table; dots as
+  attention_pallas.dots_for.
+
+  >>> import numpy as np
+  >>> from ops.attention import ring_attention_ref
+  >>> r = np.random.default_rng(0)
+  >>> q = jnp.asarray(r.standard_normal((40, 4, 64)), jnp.float32)
+  >>> k, v = (jnp.asarray(r.standard_normal((256, 2, 64)), jnp.float32) for _ in range(2))
+  >>> pos = jnp.arange(60, 100, dtype=jnp.int32)
+  >>> out = prefill_attention_pallas(q, k, v, None, None, pos, 100, block=64, scale=0.125, interpret=True)
+  >>> ref = ring_attention_ref(q, k, v, None, None, pos, 100, block=64, scale=0.125)
+  >>> bool(jnp.allclose(out, ref, atol=1e-5))
+  True
+  """
+  if layer is None:
+    k_ring, v_ring = k_ring[None], v_ring[None]
+    if k_scale is not None:
+      k_scale, v_scale = k_scale[None], v_scale[None]
+    layer = 0
+  T, Hq, Dh = q_THD.shape
+  _, R, Hkv, _ = k_ring.shape
+  G = Hq // Hkv
+  why = supported(Hq, Hkv, Dh, block)
+  if why is not None:
+    raise ValueError(f"prefill_attention_pallas: {why}")
+  tq, tk, warps, stages = tuning(Dh, block, G)
+  bq, bk = bq or tq, bk or tk
+  warps, stages = num_warps or warps, num_stages or stages
+  if block % bk or R % block:
+    raise ValueError(f"prefill_attention_pallas: need bk={bk} | block={block} | R={R}")
+  BM = bq * G
+  if not _is_pow2(BM) or BM < 16:
+    raise ValueError(f"prefill_attention_pallas: bq={bq} x G={G} = {BM} rows, expected a power of two >= 16")
+  dots = dots_for(dots, k_ring.dtype)
+  quant = k_scale is not None
+  nq = -(-T // bq)
+  pad = nq * bq - T
+
+  length = jnp.asarray(length, jnp.int32)
+  q_pos_T = jnp.asarray(q_pos_T, jnp.int32)
+  first, _ = live_tiles(length, jnp.max(q_pos_T), R, bk)
+  oldest = jnp.maximum(length - R, 0)
+  meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, oldest, 0]).astype(jnp.int32)
+
+  q = jnp.pad(q_THD.astype(jnp.float32) * scale, ((0, pad), (0, 0), (0, 0)))
+  q = q.reshape(nq, bq, Hkv, G, Dh).transpose(2, 0, 1, 3, 4).reshape(Hkv, nq, BM, Dh)
+  rowpos = jnp.repeat(jnp.pad(q_pos_T, (0, pad), constant_values=-1), G).reshape(nq, BM)
+
+  whole = lambda x: pl.BlockSpec(x.shape, lambda h, j: (0,) * x.ndim)  # noqa: E731
+  in_specs = [whole(meta), pl.BlockSpec((None, BM), lambda h, j: (j, 0)),
+              pl.BlockSpec((None, None, BM, Dh), lambda h, j: (h, j, 0, 0)), whole(k_ring), whole(v_ring)]
+  args = [meta, rowpos, q, k_ring, v_ring]
+  if quant:
+    in_specs += [whole(k_scale), whole(v_scale)]
+    args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+  out = pl.pallas_call(
+      functools.partial(_kernel, bk=bk, capacity=R, quant=quant, tc=not interpret, dots=dots),
+      out_shape=jax.ShapeDtypeStruct((Hkv, nq, BM, Dh), jnp.float32), grid=(Hkv, nq), in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, None, BM, Dh), lambda h, j: (h, j, 0, 0)),
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
+      name="ring_prefill_attention")(*args)
+  out = out.reshape(Hkv, nq, bq, G, Dh).transpose(1, 2, 0, 3, 4).reshape(nq * bq, Hq, Dh)
+  return out[:T]
