@@ -131,14 +131,19 @@ _TEXT: dict = {}
 
 
 def _text_tokens(model, n: int, seed: int) -> list[int]:
-  """n tokens of documentation text (the last topics in sorted order, which the default model's training held
-  out in part), starting at an offset chosen by the seed."""
+  """n tokens of documentation text starting at an offset chosen by the seed: from the last 40 topics in sorted
+  order (which the default model's training held out in part) when they hold n tokens, else from all topics
+  (deep cells: 168K tokens with the shipped vocab). A depth beyond all of them is refused, never cut short."""
+  from pydoc_data.topics import topics
   key = id(model.tokenizer)
   if key not in _TEXT:
-    from pydoc_data.topics import topics
-    text = "".join(topics[k] + "<|endoftext|>" for k in sorted(topics)[-40:])
-    _TEXT[key] = model.tokenizer.encode(text)
-  ids = _TEXT[key]
+    keys = sorted(topics)
+    _TEXT[key] = [model.tokenizer.encode("".join(topics[k] + "<|endoftext|>" for k in ks))
+                  for ks in (keys[-40:], keys)]
+  ids = next((t for t in _TEXT[key] if len(t) >= n), None)
+  if ids is None:
+    raise ValueError(f"--prompt_source text: depth {n} exceeds the {len(_TEXT[key][-1])} tokens of the "
+                     f"documentation topics; use --prompt_source synthetic for deeper cells")
   start = (abs(seed) * 7919 * 13) % max(1, len(ids) - n)
   return ids[start:start + n]
 

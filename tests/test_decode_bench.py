@@ -66,3 +66,19 @@ def test_only_runs_a_subset_of_a_named_set():
       bench._arms()
   finally:
     bench.FLAGS.unparse_flags()
+
+
+def test_text_prompts_have_the_cell_depth_or_are_refused():
+  """--prompt_source text gives exactly `depth` tokens (deep cells draw on all documentation topics), and a depth
+  beyond the text is refused with a message naming it, never cut short."""
+  import pytest
+
+  from decode import bench
+  from model.loader import default_model_path, load_model
+  m = load_model(default_model_path())
+  for n in (1024, 40000):
+    ids = bench._text_tokens(m, n, seed=2)
+    assert len(ids) == n and all(0 <= t < m.cfg.vocab_size for t in ids)
+  assert bench._text_tokens(m, 1024, seed=2) != bench._text_tokens(m, 1024, seed=3)
+  with pytest.raises(ValueError, match="depth 1000000 exceeds"):
+    bench._text_tokens(m, 1_000_000, seed=0)
