@@ -179,9 +179,50 @@ def dots_for(dots: str | None, ring_dtype) -> str:
   return "tf32x3" if jnp.dtype(ring_dtype) == jnp.float32 else dots
 
 
+def tile_step(i, carry, q, rowpos, k_ref, v_ref, ks_ref, vs_ref, *, layer, h, oldest, bk: int, capacity: int,
+              tc: bool, dots: str):
+  """One key tile of an online softmax (float32): rows q [P, Dh] (pre-scaled) at positions rowpos [P] against
+  key tile i of kv head h (positions [i*bk, (i+1)*bk), slots from (i*bk) mod R), masked to oldest <= p <= row
+  position; carry (running max m [P], sum l [P], acc [P, Dh]). Shared by the decode and prefill kernels."""
+  m, l, acc = carry
+  slot0 = pl.multiple_of(lax.rem(i, capacity // bk) * bk, bk)
+  kv_t = jnp.bfloat16 if dots == "bf16x2" else jnp.float32
+  k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)              # [bk, Dh] (int8: the integers)
+  v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)
+  dot = _dot_bf16x2 if dots == "bf16x2" else functools.partial(_dot, tc=tc)
+  sc = dot(q, k, 1)                                                      # [P, bk] = q k^T
+  if ks_ref is not None:
+    sc = sc * ks_ref[layer, pl.ds(slot0, bk), h][None, :]
+  kpos = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+  ok = (kpos <= rowpos[:, None]) & (kpos >= oldest)                     # [P, bk]
+  sc = jnp.where(ok, sc, NEG_INF)
+  m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+  p = jnp.where(ok, jnp.exp(sc - m_new[:, None]), 0.0)
+  corr = jnp.exp(m - m_new)
+  l = l * corr + jnp.sum(p, axis=1)
+  pv = p * vs_ref[layer, pl.ds(slot0, bk), h][None, :] if vs_ref is not None else p
+  acc = acc * corr[:, None] + dot(pv, v, 0)
+  return m_new, l, acc
+
+
+def init_carry(P: int, Dh: int):
+  return jnp.full((P,), NEG_INF, jnp.float32), jnp.zeros((P,), jnp.float32), jnp.zeros((P, Dh), jnp.float32)
+
+
+def as_stack(k_ring, v_ring, k_scale, v_scale, layer):
+  """(k, v, k_scale, v_scale, layer) as [L, R, ...] stacks with a layer index: one layer (layer None) becomes a
+  stack of one at index 0."""
+  if layer is not None:
+    return k_ring, v_ring, k_scale, v_scale, layer
+  if k_scale is not None:
+    k_scale, v_scale = k_scale[None], v_scale[None]
+  return k_ring[None], v_ring[None], k_scale, v_scale, 0
+
+
 def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
             count_visits: bool, tc: bool, dots: str):
   """Program (h, s): online softmax of q rows of kv head h over its range of live tiles."""
+  ks_ref, vs_ref = (None, None)
   if quant:
     ks_ref, vs_ref, *refs = refs
   o_ref, m_ref, l_ref, *cnt_ref = refs
@@ -198,33 +239,9 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
   q = q_ref[...].astype(jnp.float32)                 # [P, Dh], pre-scaled
   rowpos = rowpos_ref[...]                           # [P] int32, -1 on padded rows
   P, Dh = q.shape
-  n_slot_tiles = capacity // bk
-
-  def body(i, carry):
-    m, l, acc = carry
-    pos0 = i * bk
-    slot0 = pl.multiple_of(lax.rem(i, n_slot_tiles) * bk, bk)
-    kv_t = jnp.bfloat16 if dots == "bf16x2" else jnp.float32
-    k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)              # [bk, Dh] (int8: the integers)
-    v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)
-    dot = _dot_bf16x2 if dots == "bf16x2" else functools.partial(_dot, tc=tc)
-    sc = dot(q, k, 1)                                                      # [P, bk] = q k^T
-    if quant:
-      sc = sc * ks_ref[layer, pl.ds(slot0, bk), h][None, :]
-    kpos = pos0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    ok = (kpos <= rowpos[:, None]) & (kpos >= oldest)                     # [P, bk]
-    sc = jnp.where(ok, sc, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    p = jnp.exp(sc - m_new[:, None])
-    p = jnp.where(ok, p, 0.0)
-    corr = jnp.exp(m - m_new)
-    l = l * corr + jnp.sum(p, axis=1)
-    pv = p * vs_ref[layer, pl.ds(slot0, bk), h][None, :] if quant else p
-    acc = acc * corr[:, None] + dot(pv, v, 0)
-    return m_new, l, acc
-
-  init = (jnp.full((P,), NEG_INF, jnp.float32), jnp.zeros((P,), jnp.float32), jnp.zeros((P, Dh), jnp.float32))
-  m, l, acc = lax.fori_loop(t0, t1, body, init)
+  body = functools.partial(tile_step, q=q, rowpos=rowpos, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, vs_ref=vs_ref,
+                           layer=layer, h=h, oldest=oldest, bk=bk, capacity=capacity, tc=tc, dots=dots)
+  m, l, acc = lax.fori_loop(t0, t1, body, init_carry(P, Dh))
   o_ref[...] = acc
   m_ref[...] = m
   l_ref[...] = l
@@ -247,11 +264,7 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
   visible), as ops.attention.attention_with_lse, for an exact merge with another partial (the host tier).
   With count_visits, also returns the number of tiles each program visited, [Hkv, S] int32.
   """
-  if layer is None:
-    k_ring, v_ring = k_ring[None], v_ring[None]
-    if k_scale is not None:
-      k_scale, v_scale = k_scale[None], v_scale[None]
-    layer = 0
+  k_ring, v_ring, k_scale, v_scale, layer = as_stack(k_ring, v_ring, k_scale, v_scale, layer)
   T, Hq, Dh = q_THD.shape
   _, R, Hkv, _ = k_ring.shape
   G = Hq // Hkv

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ops.attention_pallas import NEG_INF, _dot, _dot_bf16x2, _is_pow2, dots_for, live_tiles
+from ops.attention_pallas import _is_pow2, as_stack, dots_for, init_carry, live_tiles, tile_step
 
 # head_dim -> (BM rows per program, bk key tile, num_warps, num_stages); bk is further capped by the ring's block.
 TUNING = {
@@ -64,41 +64,15 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int, block: int) -> str |
 def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool, tc: bool,
             dots: str):
   """Program (h, j): rows of query block j under kv head h, online softmax over their live causal tiles."""
-  if quant:
-    ks_ref, vs_ref, o_ref = refs
-  else:
-    (o_ref,) = refs
+  ks_ref, vs_ref, o_ref = refs if quant else (None, None, *refs)
   h = pl.program_id(0)
   layer, first, oldest = meta_ref[0], meta_ref[1], meta_ref[2]
   q = q_ref[...]                                   # [BM, Dh] float32, pre-scaled
   rowpos = rowpos_ref[...]                         # [BM] int32, -1 on padded rows
-  BM, Dh = q.shape
-  n_slot_tiles = capacity // bk
   end = jnp.max(rowpos) // bk + 1                  # one past the tile of the block's last query
-  kv_t = jnp.bfloat16 if dots == "bf16x2" else jnp.float32
-  dot = _dot_bf16x2 if dots == "bf16x2" else functools.partial(_dot, tc=tc)
-
-  def body(i, carry):
-    m, l, acc = carry
-    slot0 = pl.multiple_of(lax.rem(i, n_slot_tiles) * bk, bk)
-    k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)                # [bk, Dh]
-    v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)
-    sc = dot(q, k, 1)                                                      # [BM, bk]
-    if quant:
-      sc = sc * ks_ref[layer, pl.ds(slot0, bk), h][None, :]
-    kpos = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    ok = (kpos <= rowpos[:, None]) & (kpos >= oldest)
-    sc = jnp.where(ok, sc, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    p = jnp.where(ok, jnp.exp(sc - m_new[:, None]), 0.0)
-    corr = jnp.exp(m - m_new)
-    l = l * corr + jnp.sum(p, axis=1)
-    pv = p * vs_ref[layer, pl.ds(slot0, bk), h][None, :] if quant else p
-    acc = acc * corr[:, None] + dot(pv, v, 0)
-    return m_new, l, acc
-
-  init = (jnp.full((BM,), NEG_INF, jnp.float32), jnp.zeros((BM,), jnp.float32), jnp.zeros((BM, Dh), jnp.float32))
-  _, l, acc = lax.fori_loop(first, end, body, init)
+  body = functools.partial(tile_step, q=q, rowpos=rowpos, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, vs_ref=vs_ref,
+                           layer=layer, h=h, oldest=oldest, bk=bk, capacity=capacity, tc=tc, dots=dots)
+  _, l, acc = lax.fori_loop(first, end, body, init_carry(*q.shape))
   o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
 
 
@@ -125,11 +99,7 @@ def prefill_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, l
   >>> bool(jnp.allclose(out, ref, atol=1e-5))
   True
   """
-  if layer is None:
-    k_ring, v_ring = k_ring[None], v_ring[None]
-    if k_scale is not None:
-      k_scale, v_scale = k_scale[None], v_scale[None]
-    layer = 0
+  k_ring, v_ring, k_scale, v_scale, layer = as_stack(k_ring, v_ring, k_scale, v_scale, layer)
   T, Hq, Dh = q_THD.shape
   _, R, Hkv, _ = k_ring.shape
   G = Hq // Hkv

@@ -168,12 +168,13 @@ def test_dispatch():
                                 np.asarray(ref))
   out = ring_attention(q, *_layer(ring), pos, 100, block=32, scale=SCALE, impl="interpret")
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
-  # prefill (T > MAX_T) goes to the chunked reference whatever impl says
+  # prefill (T > MAX_T): the reference by default on CPU, the prefill kernel on request
   T = attention_pallas.MAX_T + 4
   qp, pp = _q(T, 8), _pos(T, 100)
+  ref_p = np.asarray(ring_attention_ref(qp, *_layer(ring), pp, 100, block=32, scale=SCALE))
+  np.testing.assert_array_equal(np.asarray(ring_attention(qp, *_layer(ring), pp, 100, block=32, scale=SCALE)), ref_p)
   a = ring_attention(qp, *_layer(ring), pp, 100, block=32, scale=SCALE, impl="interpret")
-  np.testing.assert_array_equal(np.asarray(a), np.asarray(ring_attention_ref(qp, *_layer(ring), pp, 100, block=32,
-                                                                             scale=SCALE)))
+  np.testing.assert_allclose(np.asarray(a), ref_p, rtol=2e-5, atol=2e-6)
   with pytest.raises(ValueError, match="impl"):
     ring_attention(q, *_layer(ring), pos, 100, block=32, scale=SCALE, impl="xla")
   with pytest.raises(ValueError, match="block=48"):
