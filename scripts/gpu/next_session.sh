@@ -45,10 +45,9 @@ case "${PART:-1}" in
       --depths 1024 --rings 4096 --max_new_tokens 32 --seeds 2 --prefill_chunk $c --cells $OUT/prefill.jsonl \
       2>&1 | filt | tail -3
   done ;;
-3)  # issue 7 item 3: the seed's four arms on the GPU with the Pallas kernels (+ plain arms), 3 seeds; max_context
-    # 139,264 over rings of 32K/48K attaches a host tier (idle at 1K depth). With --host_skip_idle (the cond)
-    # the run at 4e19122 wrote no cell in 300 s (params build included), cause not seen: the default is now
-    # the plain evict (17.6 ms a step at 1K, measured), SKIP=--host_skip_idle to try the cond again
+3)  # issue 7 item 3: the seed's arms on the GPU with the Pallas kernels, 3 seeds; max_context 139,264 over rings of
+    # 32K/48K attaches a host tier (idle at 1K depth). Two arms per call (ONLY=AN,BN etc.: ~5 min on one GPU at
+    # 490ae0f). The idle-tier skip is on (SKIP=--nohost_skip_idle: the tier's path every step, as at 490ae0f)
   timeout ${T3:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
     --expert_cache auto ${ONLY:+--only $ONLY} \
     ${SKIP:---host_skip_idle} --max_new_tokens 256 --seeds ${SEEDS:-3} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
