@@ -167,8 +167,10 @@ def test_host_tier_beside_the_attention_kernel_equals_full_cache(monkeypatch, re
     calls.append(kw.get("with_lse", False))
     return kernel(*a, **kw)
 
+  from decode import host_tier
   monkeypatch.setattr(attention, "default_impl", lambda T: "interpret" if T <= attention_pallas.MAX_T else "ref")
   monkeypatch.setattr(attention_pallas, "ring_attention_pallas", counted)
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", False)    # only the tier's path traced (no ring-only branch)
   jax.clear_caches()
   request.addfinalizer(jax.clear_caches)
   m = _model()
