@@ -141,15 +141,19 @@ def _text_tokens(model, n: int, seed: int) -> list[int]:
   order (which the default model's training held out in part) when they hold n tokens, else from all topics
   (deep cells: 168K tokens with the shipped vocab). A depth beyond all of them is refused, never cut short."""
   from pydoc_data.topics import topics
-  key = id(model.tokenizer)
-  if key not in _TEXT:
-    keys = sorted(topics)
-    _TEXT[key] = [model.tokenizer.encode("".join(topics[k] + "<|endoftext|>" for k in ks))
-                  for ks in (keys[-40:], keys)]
-  ids = next((t for t in _TEXT[key] if len(t) >= n), None)
-  if ids is None:
-    raise ValueError(f"--prompt_source text: depth {n} exceeds the {len(_TEXT[key][-1])} tokens of the "
-                     f"documentation topics; use --prompt_source synthetic for deeper cells")
+
+  def stream(last: int | None) -> list[int]:            # tokenized once per tokenizer and text
+    key = (id(model.tokenizer), last)
+    if key not in _TEXT:
+      _TEXT[key] = model.tokenizer.encode("".join(topics[k] + "<|endoftext|>" for k in sorted(topics)[-(last or 0):]))
+    return _TEXT[key]
+
+  ids = stream(40)
+  if len(ids) < n:
+    ids = stream(None)
+  if len(ids) < n:
+    raise ValueError(f"--prompt_source text: depth {n} exceeds the {len(ids)} tokens of the documentation topics; "
+                     f"use --prompt_source synthetic for deeper cells")
   start = (abs(seed) * 7919 * 13) % max(1, len(ids) - n)
   return ids[start:start + n]
 

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from decode import host_tier
-from decode.host_tier import evict_leaving
 from decode.kv_ring import KVRing
 from model.config import ModelConfig
 from model.transformer import Decoder, MTPBlock
@@ -107,7 +106,7 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only:
                                 host)
 
   def with_tier(ring, experts, host):
-    host, ring = evict_leaving(host, ring, pos)
+    host, ring = host_tier.evict_leaving(host, ring, pos)
     return trunk(ring, experts, host)
 
   def ring_only(ring, experts, host):

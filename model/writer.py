@@ -7,7 +7,6 @@ how the full-size synthetic files are made without any real weights.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import os
 from typing import Callable
 
@@ -185,29 +184,11 @@ def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: in
     from tqdm import tqdm
     entries = tqdm(entries, desc="random params", unit="tensor")
   params: dict = {}
-  # The random bytes come from one generator in a fixed order (the same params for a seed); the repack and the
-  # transfer of each tensor run on worker threads (numpy releases the GIL in its bulk copies), a few in flight.
-  workers = max(1, min(8, (os.cpu_count() or 1) // 2))
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    pending = []
-    for path, (tname, shape) in entries:
-      t = types(tname, shape)
-      arr = _random_tensor(tname, shape, t, rng, cfg, block_scale)
-      pending.append((path, pool.submit(_to_param, t, arr, shape)))
-      while len(pending) > 2 * workers:
-        _place(params, *_take(pending))
-    while pending:
-      _place(params, *_take(pending))
+  for path, (tname, shape) in entries:
+    t = types(tname, shape)
+    arr = _random_tensor(tname, shape, t, rng, cfg, block_scale)
+    node = params
+    for p in path[:-1]:
+      node = node.setdefault(p, {})
+    node[path[-1]] = _to_param(t, arr, shape)
   return params
-
-
-def _take(pending: list):
-  path, fut = pending.pop(0)
-  return path, fut.result()
-
-
-def _place(params: dict, path: tuple, value) -> None:
-  node = params
-  for p in path[:-1]:
-    node = node.setdefault(p, {})
-  node[path[-1]] = value
