@@ -49,10 +49,28 @@ flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
 flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
                   "--nofuse_qkv runs three")
 flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNorm + residual, routing, q/k norm + "
-                  "RoPE + ring write; model.transformer.GLUE_KERNELS, with --kernels pallas); off: the XLA ops; on,off: "
-                  "both, cell by cell in one process (the A/B)")
+                  "RoPE + ring write; model.transformer.GLUE_KERNELS, with --kernels pallas); off: the XLA ops; old: the "
+                  "kernels with the tilings before 2026-12-01 (router 32 programs x 256-wide chunks, 4-warp top-k, "
+                  "one RoPE program per token); on,off / on,old: both, cell by cell in one process (the A/B)")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
+
+
+_NEW_TILINGS = {}
+
+
+def _glue_tilings(old: bool) -> None:
+  """The glue kernels' tilings of before 2026-12-01 (old) or the modules' current ones; read at trace time."""
+  from ops import rope_write_pallas, router_pallas
+  if not _NEW_TILINGS:
+    _NEW_TILINGS.update(logits=dict(router_pallas.LOGITS_TILING), route=router_pallas.ROUTE_WARPS,
+                        rope=rope_write_pallas.Q_PROGRAMS)
+  if old:
+    router_pallas.LOGITS_TILING = {"programs": 32, "dc": 256, "warps": 4}
+    router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = 4, 1
+  else:
+    router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
+    router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
 
 
 def _random_kv(store, n_live: int, seed: int):
@@ -147,8 +165,8 @@ def main(argv):
   from ops import attention_pallas
   host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle      # read at trace time
   from model import transformer
-  if not set(FLAGS.glue) <= {"on", "off"}:
-    raise app.UsageError(f"--glue {FLAGS.glue}: expected on, off or on,off")
+  if not set(FLAGS.glue) <= {"on", "off", "old"}:
+    raise app.UsageError(f"--glue {FLAGS.glue}: expected on, off, old or a list of them")
   if FLAGS.attn_kernel:
     attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
   cfg = preset(FLAGS.preset)
@@ -177,7 +195,8 @@ def main(argv):
       if prev is not None and prev != (kn, at, rw):
         jax.clear_caches()                      # the attention and glue choices are read at trace time
       prev = (kn, at, rw)
-      transformer.GLUE_KERNELS = rw == "on"
+      transformer.GLUE_KERNELS = rw != "off"
+      _glue_tilings(old=rw == "old")
       p = with_kernels(params, kn)
       default_gpu = attention.DEFAULT_GPU_IMPL
       default_kernel = attention_pallas.DEFAULT_DOTS, dict(attention_pallas.TUNING)

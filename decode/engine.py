@@ -9,6 +9,7 @@ buffer with a dynamic bound (stops at max_new_tokens or EOS), plus an eager loop
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -182,16 +183,63 @@ class Started:
   hidden: jax.Array       # [T, D] after output_norm
   cap: int
   grow: bool
+  reused_s: float | None = None   # the prompt came from a PrefillCache: seconds its original prefill took
+
+
+def _fresh(tree):
+  """A copy of every array of `tree` in its own buffers, where it was (memory kind included): the jitted steps
+  donate the state, so a cached prefill hands out copies and keeps its own."""
+  return jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False) if isinstance(a, jax.Array) else a,
+                      tree)
+
+
+class PrefillCache:
+  """Prompts already prefilled, so that a benchmark's arms that share a prompt and a ring pay one prefill.
+
+  An entry is the main trunk's result of `start_request` (the ring, the host tier, the last logits and the hidden
+  states) under a key of everything that shapes it: the weights, the prompt, the ring's capacity and scratch, the
+  tier's size, the KV dtype and the prefill chunking. The drafter ring is not part of it (it is filled after the
+  prefill, from the hidden states), so a NextN arm and a lookup arm with the same k share an entry. Requests with
+  an expert cache never use it (their cache counters are part of the result). `capacity` entries, least recently
+  used out first; each holds a whole ring and tier, so keep it small on a GPU.
+
+  >>> cache = PrefillCache(capacity=2)
+  >>> len(cache)
+  0
+  """
+
+  def __init__(self, capacity: int = 4):
+    self.capacity, self._d = capacity, collections.OrderedDict()
+    self.hits = self.misses = 0
+
+  def __len__(self) -> int:
+    return len(self._d)
+
+  def get(self, key):
+    if key not in self._d:
+      self.misses += 1
+      return None
+    self.hits += 1
+    self._d.move_to_end(key)
+    return self._d[key]
+
+  def put(self, key, value) -> None:
+    self._d[key] = value
+    self._d.move_to_end(key)
+    while len(self._d) > self.capacity:
+      self._d.popitem(last=False)
 
 
 def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_window: int | None = None,
-                  ring_start: int | None = None, params: dict | None = None) -> Started:
+                  ring_start: int | None = None, params: dict | None = None,
+                  prefill_cache: PrefillCache | None = None) -> Started:
   """Check the request, size the ring (and host tier), allocate the state and prefill the prompt with `params`
   (default model.params; `generate` passes request_params(model, gen)).
 
   k > 0 reserves k + 1 scratch slots for speculative overshoot. Without --kv_resident the ring is the smallest
   power-of-two bucket from 1024 holding the request (or `ring_start` tokens, then grown); with a fixed R and
-  max_context > R, positions older than the ring's window live in the host tier."""
+  max_context > R, positions older than the ring's window live in the host tier. With `prefill_cache` a prompt
+  prefilled before under the same ring, tier and chunking is copied instead of run again (Started.reused_s)."""
   if not prompt:
     raise RequestError("prompt: empty, expected at least one token")
   slack = k + 1 if k else 0
@@ -210,7 +258,18 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
   window = state.ring.window
   chunk = min(prefill_chunk(gen), window) if host else prefill_chunk(gen)
+  key = None
+  if prefill_cache is not None and not gen.expert_slots:
+    key = (id(params), model.cfg, tuple(prompt), cap, slack, host, gen.kv, chunk)
+    hit = prefill_cache.get(key)
+    if hit is not None and hit[2] is params:      # the key's id(params) is of these weights, not a reused id
+      ring, tier, logits, hidden = _fresh(hit[0])
+      return Started(state.replace(ring=ring, host=tier), logits, hidden, cap, grow=not fixed, reused_s=hit[1])
+  t0 = time.perf_counter()
   logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk, prefill_tail(chunk))
+  if key is not None:
+    jax.block_until_ready(logits)
+    prefill_cache.put(key, (_fresh((state.ring, state.host, logits, hidden)), time.perf_counter() - t0, params))
   return Started(state, logits, hidden, cap, grow=not fixed)
 
 
@@ -265,24 +324,27 @@ def _buffer_size(n: int) -> int:
 
 
 def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = False, ring_start: int | None = None,
-             **kw) -> GenResult:
+             prefill_cache: PrefillCache | None = None, **kw) -> GenResult:
   """Greedy or sampled generation from `prompt_ids` (a LoadedModel from model.loader).
 
   ring_start: with kv_resident auto, size the first bucket for this many tokens instead of the whole request
   (the ring then grows into the next bucket when the request runs past it; one compile per bucket).
+  prefill_cache: reuse a prompt prefilled before (PrefillCache); ttft_s then counts the original prefill's
+  seconds and stats["prefill_reused"] is True.
   With gen.expert_slots the store is placed by request_params (pinned host memory on a GPU that has it)."""
   gen = dataclasses.replace(gen or GenConfig(), **kw)
   cfg, tok = model.cfg, model.tokenizer
   params = request_params(model, gen)
   prompt = list(int(i) for i in prompt_ids)
   t0 = time.perf_counter()
-  st = start_request(model, prompt, gen, ring_start=None if eager else ring_start, params=params)
+  st = start_request(model, prompt, gen, ring_start=None if eager else ring_start, params=params,
+                     prefill_cache=prefill_cache)
   state, logits, cap, grow = st.state, st.logits, st.cap, st.grow
   key = jax.random.PRNGKey(gen.seed)
   key, sub = jax.random.split(key)
   first = sample(logits[-1], sub, gen.temperature, gen.top_p)
   first.block_until_ready()
-  ttft = time.perf_counter() - t0
+  ttft = time.perf_counter() - t0 + (st.reused_s or 0.0)
   prefilled = cache_counts(state)
   eos = tok.eos_id if (gen.stop_at_eos and tok.eos_id is not None) else -1
   n = gen.max_new_tokens
@@ -323,6 +385,6 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     state = ls.model
   stats = {"prompt_tokens": len(prompt), "generated_tokens": len(ids), "ttft_s": ttft,
            "decode_s": dt, "decode_tok_s": (len(ids) - 1) / dt if dt > 0 and len(ids) > 1 else 0.0,
-           "kv": gen.kv, "kv_resident": cap, "eager": eager,
+           "kv": gen.kv, "kv_resident": cap, "eager": eager, "prefill_reused": st.reused_s is not None,
            "ring_buckets": [cap] if eager else buckets, "expert_cache": cache_stats(state, len(ids), prefilled)}
   return GenResult(prompt, ids, tok.decode(ids), stats)

@@ -197,11 +197,14 @@ def _hist_size(n: int) -> int:
 
 
 def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, drafter: str = "mtp", k: int = 3,
-                         mtp_window: int = 4096, replay_ids=None, eager: bool = False, **kw) -> GenResult:
+                         mtp_window: int = 4096, replay_ids=None, eager: bool = False, prefill_cache=None,
+                         **kw) -> GenResult:
   """Generate with drafts from `drafter` (mtp | lookup | replay), k per round.
 
   replay_ids: for drafter="replay", the continuation to propose (e.g. a plain greedy run's ids).
   eager=True runs the rounds one by one from Python (same jitted round, easier to inspect).
+  prefill_cache: an engine.PrefillCache to reuse the main trunk's prefill of this prompt (ttft_s counts the
+  original prefill's seconds; the drafter ring is still filled here).
   """
   gen = dataclasses.replace(gen or GenConfig(), **kw)
   cfg, tok = model.cfg, model.tokenizer
@@ -215,7 +218,8 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   prompt = [int(i) for i in prompt_ids]
   T, n = len(prompt), gen.max_new_tokens
   t0 = time.perf_counter()
-  st = start_request(model, prompt, gen, k=k, mtp_window=mtp_window if drafter == "mtp" else None, params=params)
+  st = start_request(model, prompt, gen, k=k, mtp_window=mtp_window if drafter == "mtp" else None, params=params,
+                     prefill_cache=prefill_cache)
   state, logits, hidden, cap = st.state, st.logits, st.hidden, st.cap
   key = jax.random.PRNGKey(gen.seed)
   key, sub = jax.random.split(key)
@@ -231,7 +235,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
                                        cfg=cfg, experts=state.experts)
       state = state.replace(mtp_ring=ring, experts=ex)
   first.block_until_ready()
-  ttft = time.perf_counter() - t0
+  ttft = time.perf_counter() - t0 + (st.reused_s or 0.0)
   prefilled = cache_counts(state)
   H = _hist_size(T + n + k + 2)
   hist = jnp.zeros((H,), jnp.int32).at[:T].set(jnp.asarray(prompt, jnp.int32)).at[T].set(first)
@@ -264,7 +268,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   prop, accd = np.asarray(s.proposed).tolist(), np.asarray(s.accepted).tolist()
   stats = {"prompt_tokens": T, "generated_tokens": len(ids), "ttft_s": ttft, "decode_s": dt,
            "decode_tok_s": (got - 1) / dt if dt > 0 else 0.0, "kv": gen.kv, "kv_resident": cap, "eager": eager,
-           "drafter": drafter, "k": k, "rounds": rounds, "drafts_proposed": prop, "drafts_accepted": accd,
+           "prefill_reused": st.reused_s is not None, "drafter": drafter, "k": k, "rounds": rounds, "drafts_proposed": prop, "drafts_accepted": accd,
            "acceptance": (sum(accd) / sum(prop)) if sum(prop) else 0.0,
            "mean_accepted_len": (sum(accd) / rounds) if rounds else 0.0,
            "mtp_window": mtp_window if drafter == "mtp" else None, "expert_cache": cache_stats(s.model, got, prefilled)}

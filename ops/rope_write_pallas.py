@@ -4,12 +4,13 @@ norm of q and k (qk_norm models), NEOX RoPE on the first `rope_dim` dims, and th
 
 Why: in a decode step these are ~10 small XLA kernels per layer (two per-head norms, two RoPEs, two absmax
 reductions, four ring updates, the splits between them), each a launch of ~1-2 µs on the GPU for a few KB of work;
-480 launches per step on a 48-layer model. One program per token does all of it.
+480 launches per step on a 48-layer model. One launch does all of it (a few programs per token).
 
 `rope_write_ref` is the reference: the model's own jnp ops (ops.layers.rms_norm, ops.layers.rope_neox and
 decode.kv_ring.KVRing.write), which the kernel must match; `rope_write` dispatches.
 
-Kernel. Grid (T,): program t reads row t of qkv as [H, Dh] head tiles (q heads, then k, then v), computes the norm
+Kernel. Grid (T, Hq / HB + 1): program (t, j < Hq / HB) does HB q heads of token t, program (t, Hq / HB) its k and v
+and the ring write. A program reads row t of qkv as [H, Dh] head tiles, computes the norm
 over each head's whole row, rotates the halves [0, rope_dim/2) and [rope_dim/2, rope_dim) (loaded as their own
 column slices: Triton has no lane permutation), and stores the pieces. The ring arrays are aliased inputs and
 outputs (`input_output_aliases`): only the T rows at slots pos mod R are written, nothing is copied. Rounding
@@ -36,6 +37,9 @@ from ops.layers import rms_norm, rope_neox
 
 IMPLS = ("ref", "pallas", "interpret")
 NUM_WARPS = 4
+# Programs per token for the q heads (each does Hq / Q_PROGRAMS heads; one more program does k, v and the ring
+# write). 1 is the kernel of commit 2477afa (one program per token, 4.9 us a call on the 30B shape: Hq 32, Dh 128).
+Q_PROGRAMS = 4
 
 
 def _is_pow2(n: int) -> bool:
@@ -72,13 +76,13 @@ def rope_write_ref(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv
   return q, one.write(0, pos_T, k, v).layer(0)
 
 def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half: int, offset: int, eps: float,
-            capacity: int, qk_norm: bool, quant: bool):
+            capacity: int, qk_norm: bool, quant: bool, HB: int):
   refs = list(refs)
   qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if qk_norm else (None, None)
   n_ring = 4 if quant else 2
   refs = refs[n_ring:]                          # the aliased ring inputs: written through the outputs
   q_out, k_out, v_out, *scale_out = refs
-  t = pl.program_id(0)
+  t, j = pl.program_id(0), pl.program_id(1)     # j < Hq / HB: a block of HB q heads; j = Hq / HB: k and v
   p = pos_ref[t]
   slot = jax.lax.rem(p, jnp.asarray(capacity, p.dtype))
   ang = (p + offset).astype(jnp.float32) * freq_ref[...]               # [half]
@@ -106,9 +110,12 @@ def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half:
       return [(0, Dh)]
     return [(0, half), (half, half)] + ([(rd, Dh - rd)] if Dh > rd else [])
 
-  q = pieces(0, Hq, qn_ref)
-  for (c0, n), y in zip(spans(q), q):
-    q_out[t, :, pl.ds(c0, n)] = y
+  @pl.when(j < Hq // HB)
+  def _():
+    h0 = pl.multiple_of(j * HB, HB)
+    q = pieces(h0, HB, qn_ref)
+    for (c0, n), y in zip(spans(q), q):
+      q_out[t, pl.ds(h0, HB), pl.ds(c0, n)] = y
 
   def store(out_ref, sc_ref, ys):
     if quant:                                  # quantize_int8: s = max|x| / 127, round(x / s), clip
@@ -125,8 +132,10 @@ def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half:
       for (c0, n), y in zip(spans(ys), ys):
         out_ref[slot, :, pl.ds(c0, n)] = y.astype(out_ref.dtype)
 
-  store(k_out, scale_out[0] if quant else None, pieces(Hq, Hkv, kn_ref))
-  store(v_out, scale_out[1] if quant else None, [qkv_ref[t, pl.ds(Hq + Hkv, Hkv), :]])
+  @pl.when(j == Hq // HB)
+  def _():
+    store(k_out, scale_out[0] if quant else None, pieces(Hq, Hkv, kn_ref))
+    store(v_out, scale_out[1] if quant else None, [qkv_ref[t, pl.ds(Hq + Hkv, Hkv), :]])
 
 
 def round_half_even(x):
@@ -137,17 +146,26 @@ def round_half_even(x):
   return f + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
 
 
+def head_block(n_heads: int, n_kv_heads: int, programs: int | None = None) -> int:
+  """q heads per program: Hq / Q_PROGRAMS (at least Hkv, at most Hq), so a token's q work is split over a few
+  programs beside the one that writes k and v."""
+  return max(min(n_kv_heads, n_heads), n_heads // (programs or Q_PROGRAMS))
+
+
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_kv_heads", "head_dim", "rope_dim", "theta", "offset", "eps",
-                                             "interpret"))
+                                             "interpret", "q_programs"))
 def rope_write_pallas(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv_heads: int, head_dim: int,
-                      rope_dim: int, theta: float, offset: int, eps: float, interpret: bool = False):
+                      rope_dim: int, theta: float, offset: int, eps: float, interpret: bool = False,
+                      q_programs: int | None = None):
   """The kernel; same arguments and results as rope_write_ref. Inside a jitted step the ring
-  arrays are updated in place (aliased); called on its own, XLA copies them first. Positions must be >= -offset (as everywhere in the model)."""
+  arrays are updated in place (aliased); called on its own, XLA copies them first. Positions must be >= -offset (as
+  everywhere in the model). q_programs overrides Q_PROGRAMS (programs per token for the q heads)."""
   T = qkv_TX.shape[0]
   Hq, Hkv, Dh = n_heads, n_kv_heads, head_dim
   why = supported(Hq, Hkv, Dh, rope_dim)
   if why is not None:
     raise ValueError(f"rope_write_pallas: {why}")
+  HB = head_block(Hq, Hkv, q_programs)
   half = rope_dim // 2
   kr, vr, ks, vs = ring_kv
   quant = ks is not None
@@ -161,9 +179,9 @@ def rope_write_pallas(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n
   args += ring
   out_shape = [jax.ShapeDtypeStruct((T, Hq, Dh), jnp.float32)] + [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ring]
   kernel = functools.partial(_kernel, Hq=Hq, Hkv=Hkv, Dh=Dh, half=half, offset=offset, eps=eps, capacity=kr.shape[0],
-                             qk_norm=qk_norm, quant=quant)
+                             qk_norm=qk_norm, quant=quant, HB=HB)
   outs = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(T,),
+      kernel, out_shape=out_shape, grid=(T, Hq // HB + 1),
       input_output_aliases={first + i: 1 + i for i in range(len(ring))},
       compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret, name="rope_ring_write")(*args)

@@ -9,6 +9,7 @@ layer (dot, softmax, sort, gather, normalisation) with two.
 
   logits  grid (E / BE,): a program holds BE router rows and walks D in DC-wide chunks, one sequential float32
           accumulation per token (a static loop over the T tokens: each token's arithmetic is the same for any T).
+          BE, DC and the warps come from `logits_tiling` (its table: measured on the H200, docs/PERF.md).
   route   grid (T,): scores (softmax over E, or sigmoid), selection = scores (+ the selection bias), then K rounds
           of argmax (ties to the lower index, as lax.top_k) that pick an expert and mask it; the weights are the
           picked scores, normalised over the K picks (norm_topk) and scaled. Outputs are padded to KP = next power
@@ -30,8 +31,11 @@ from ops.qtensor import QTensor
 IMPLS = ("ref", "pallas", "interpret")
 MAX_T = 16
 NORM_EPS = 6.103515625e-5          # the floor of the weights' sum under norm_topk (llama.cpp's)
-TARGET_PROGRAMS = 32               # logits programs per call: BE = E / 32 router rows each, at most 16
-DC = 256                           # D chunk of the logits kernel
+# Tuning of the logits kernel: programs per call (a program holds BE = E / programs router rows, 1 .. 16), D chunk,
+# warps. Until 2026-12-01: 32 programs, chunk 256, 4 warps, 6.3 us a call on the 30B shape (E 128 x D 2048, 1 MB
+# of float32: the latency of 8 dependent chunk loads, not bandwidth); `scripts/gpu/glue_bench.py` compares.
+LOGITS_TILING = {"programs": 64, "dc": 2048, "warps": 4}
+ROUTE_WARPS = 1                    # top-k kernel warps: one warp reduces E <= 512 scores with shuffles alone
 
 
 def _pow2(n: int) -> bool:
@@ -60,9 +64,14 @@ def route_ref(logits_TE, bias_E, *, routing: str, top_k: int, norm_topk: bool, r
   return ids, w
 
 
-def _logits_kernel(x_ref, w_ref, o_ref, *, T: int, BE: int, D: int):
+def logits_tiling(E: int, D: int, programs: int | None = None, dc: int | None = None) -> tuple[int, int]:
+  """(BE router rows per program, D chunk) for E experts and width D: LOGITS_TILING unless given."""
+  programs = programs or LOGITS_TILING["programs"]
+  return max(1, min(16, E // programs)), min(dc or LOGITS_TILING["dc"], D)
+
+
+def _logits_kernel(x_ref, w_ref, o_ref, *, T: int, BE: int, D: int, dc: int):
   e0 = pl.program_id(0) * BE
-  dc = min(DC, D)
 
   def body(c, accs):
     w = w_ref[pl.ds(e0, BE), pl.ds(c * dc, dc)]                              # [BE, dc]
@@ -103,15 +112,18 @@ def _route_kernel(l_ref, *refs, E: int, K: int, KP: int, softmax: bool, has_bias
   w_ref[t, :] = w
 
 
-@functools.partial(jax.jit, static_argnames=("routing", "top_k", "norm_topk", "routed_scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("routing", "top_k", "norm_topk", "routed_scale", "interpret", "programs",
+                                             "dc", "warps", "route_warps"))
 def route_pallas(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk: bool, routed_scale: float,
-                 interpret: bool = False):
-  """(ids [T, K] int32, weights [T, K] float32) for tokens x (the normed hidden states) and a float router."""
+                 interpret: bool = False, programs: int | None = None, dc: int | None = None, warps: int | None = None,
+                 route_warps: int | None = None):
+  """(ids [T, K] int32, weights [T, K] float32) for tokens x (the normed hidden states) and a float router.
+  programs / dc / warps / route_warps override the tuning table (LOGITS_TILING, ROUTE_WARPS)."""
   T, D = x_TD.shape
   E = router_ED.shape[0]
-  BE = max(1, min(16, E // TARGET_PROGRAMS))
-  cp = plgpu.CompilerParams(num_warps=4, num_stages=2)
-  logits = pl.pallas_call(functools.partial(_logits_kernel, T=T, BE=BE, D=D),
+  BE, dc = logits_tiling(E, D, programs, dc)
+  cp = plgpu.CompilerParams(num_warps=warps or LOGITS_TILING["warps"], num_stages=2)
+  logits = pl.pallas_call(functools.partial(_logits_kernel, T=T, BE=BE, D=D, dc=dc),
                           out_shape=jax.ShapeDtypeStruct((T, E), jnp.float32), grid=(E // BE,), compiler_params=cp,
                           interpret=interpret, name="router_logits")(x_TD.astype(jnp.float32),
                                                                      router_ED.astype(jnp.float32))
@@ -122,7 +134,8 @@ def route_pallas(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk
       functools.partial(_route_kernel, E=E, K=top_k, KP=KP, softmax=routing == "softmax", has_bias=has_bias,
                         norm_topk=norm_topk, scale=routed_scale),
       out_shape=[jax.ShapeDtypeStruct((T, KP), jnp.int32), jax.ShapeDtypeStruct((T, KP), jnp.float32)],
-      grid=(T,), compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      grid=(T,), compiler_params=plgpu.CompilerParams(num_warps=route_warps or ROUTE_WARPS, num_stages=1),
+      interpret=interpret,
       name="router_topk")(*args)
   return ids[:, :top_k], w[:, :top_k]
 

@@ -138,3 +138,29 @@ def test_greedy_speculative_with_a_host_tier_equals_plain_greedy(drafter, skip_i
   big = speculative_generate(_model(), prompt, kv_resident=2048, **kw)
   assert tier.ids == plain
   assert tier.stats["drafts_accepted"] == big.stats["drafts_accepted"]
+
+
+def test_prefill_cache_reuse_changes_no_token():
+  """decode.engine.PrefillCache (decode.bench --reuse_prefill): a 600-token prompt prefilled once on a 256-slot ring
+  with a host tier (max_context 1024: the prompt already wraps the ring) serves the later requests with the same
+  ring, k and chunking. Every request emits the tokens and draft counts of the same request prefilling by itself;
+  the NextN and lookup requests (k = 3) share one entry (the drafter ring is filled after the prefill), the plain
+  request has its own (no scratch slots); each use gets its own copy of the state (the steps donate it)."""
+  from decode.engine import PrefillCache
+  m = _model()
+  prompt = _prompt(600, seed=5)
+  kw = dict(max_new_tokens=24, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024, prefill_chunk=128)
+  cache = PrefillCache(capacity=2)
+  plain = generate(m, prompt, **kw)
+  for _ in range(2):
+    got = generate(m, prompt, prefill_cache=cache, **kw)
+    assert got.ids == plain.ids
+  assert got.stats["prefill_reused"] and not plain.stats["prefill_reused"]
+  assert got.stats["ttft_s"] > 0 and (cache.hits, cache.misses) == (1, 1)
+  for drafter in ("mtp", "lookup", "mtp"):
+    alone = speculative_generate(m, prompt, drafter=drafter, k=3, mtp_window=256, **kw)
+    shared = speculative_generate(m, prompt, drafter=drafter, k=3, mtp_window=256, prefill_cache=cache, **kw)
+    assert alone.ids == shared.ids == plain.ids
+    assert (alone.stats["drafts_proposed"], alone.stats["drafts_accepted"]) == \
+        (shared.stats["drafts_proposed"], shared.stats["drafts_accepted"])
+  assert (cache.hits, cache.misses, len(cache)) == (3, 2, 2)
