@@ -51,7 +51,8 @@ flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_
 flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNorm + residual, routing, q/k norm + "
                   "RoPE + ring write; model.transformer.GLUE_KERNELS, with --kernels pallas); off: the XLA ops; old: the "
                   "kernels with the tilings before 2026-12-01 (router 32 programs x 256-wide chunks, 4-warp top-k, "
-                  "one RoPE program per token); on,off / on,old: both, cell by cell in one process (the A/B)")
+                  "one RoPE program per token); on may carry overrides, on/rope=N/router=P:DC:W:RW (see _glue_tilings); a list: "
+                  "every variant cell by cell in one process (the A/B)")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
@@ -59,18 +60,28 @@ flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell w
 _NEW_TILINGS = {}
 
 
-def _glue_tilings(old: bool) -> None:
-  """The glue kernels' tilings of before 2026-12-01 (old) or the modules' current ones; read at trace time."""
+def _glue_tilings(spec: str) -> None:
+  """Set the glue kernels' tilings for a --glue value (read at trace time): "old" (before 2026-12-01), else the
+  modules' own, with "/rope=N" (q programs per token) and "/router=P:DC:W:RW" (logits programs, D chunk, warps,
+  top-k warps) overrides, e.g. on/rope=1/router=64:2048:8:1."""
   from ops import rope_write_pallas, router_pallas
   if not _NEW_TILINGS:
     _NEW_TILINGS.update(logits=dict(router_pallas.LOGITS_TILING), route=router_pallas.ROUTE_WARPS,
                         rope=rope_write_pallas.Q_PROGRAMS)
-  if old:
-    router_pallas.LOGITS_TILING = {"programs": 32, "dc": 256, "warps": 4}
-    router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = 4, 1
-  else:
-    router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
-    router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
+  router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
+  router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
+  if spec == "old":
+    spec = "on/rope=1/router=32:256:4:4"
+  for part in spec.split("/")[1:]:
+    key, _, val = part.partition("=")
+    if key == "rope":
+      rope_write_pallas.Q_PROGRAMS = int(val)
+    elif key == "router":
+      p, dc, w, rw = (int(a) for a in val.split(":"))
+      router_pallas.LOGITS_TILING = {"programs": p, "dc": dc, "warps": w}
+      router_pallas.ROUTE_WARPS = rw
+    else:
+      raise app.UsageError(f"--glue {spec!r}: unknown override {part!r}, expected rope=N or router=P:DC:W:RW")
 
 
 def _random_kv(store, n_live: int, seed: int):
@@ -165,8 +176,8 @@ def main(argv):
   from ops import attention_pallas
   host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle      # read at trace time
   from model import transformer
-  if not set(FLAGS.glue) <= {"on", "off", "old"}:
-    raise app.UsageError(f"--glue {FLAGS.glue}: expected on, off, old or a list of them")
+  if not {g.split("/")[0] for g in FLAGS.glue} <= {"on", "off", "old"}:
+    raise app.UsageError(f"--glue {FLAGS.glue}: expected on, off, old (on may carry /rope=N, /router=P:DC:W:RW)")
   if FLAGS.attn_kernel:
     attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
   cfg = preset(FLAGS.preset)
@@ -196,7 +207,7 @@ def main(argv):
         jax.clear_caches()                      # the attention and glue choices are read at trace time
       prev = (kn, at, rw)
       transformer.GLUE_KERNELS = rw != "off"
-      _glue_tilings(old=rw == "old")
+      _glue_tilings(rw)
       p = with_kernels(params, kn)
       default_gpu = attention.DEFAULT_GPU_IMPL
       default_kernel = attention_pallas.DEFAULT_DOTS, dict(attention_pallas.TUNING)
@@ -215,7 +226,7 @@ def main(argv):
         ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)),
                          depth, wrap=host_cap is not None)
         host = fill_host(ring, depth, host_cap) if host_cap else None
-        tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}-glue{rw}") if FLAGS.profile else None
+        tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")) if FLAGS.profile else None
         ts, first_s = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir)
       except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
         print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)

@@ -34,7 +34,7 @@ NORM_EPS = 6.103515625e-5          # the floor of the weights' sum under norm_to
 # Tuning of the logits kernel: programs per call (a program holds BE = E / programs router rows, 1 .. 16), D chunk,
 # warps. Until 2026-12-01: 32 programs, chunk 256, 4 warps, 6.3 us a call on the 30B shape (E 128 x D 2048, 1 MB
 # of float32: the latency of 8 dependent chunk loads, not bandwidth); `scripts/gpu/glue_bench.py` compares.
-LOGITS_TILING = {"programs": 64, "dc": 2048, "warps": 4}
+LOGITS_TILING = {"programs": 64, "dc": 2048, "warps": 8}
 ROUTE_WARPS = 1                    # top-k kernel warps: one warp reduces E <= 512 scores with shuffles alone
 
 
