@@ -5,8 +5,8 @@ For T <= 16 tokens with top-K routing, P = T*K (token, expert) pairs, p = t*K + 
   1. gate/up: grid (F / BN, P), row tiles fastest. Program (i, p) loads its expert id e = ids[p] (an int32
      input, no scalar prefetch), reads rows [i*BN, i*BN + BN) of gate[e] and up[e] (QTensor planes
      [E, F, nb, ...]) over the whole D, dequantizes in registers (the tiles of ops/qmatmul_pallas) and writes
-     h[p, rows] = silu(gate . x_t) * (up . x_t), straight into the down type's x layout (`x_view_index`), so no
-     op runs between the two kernels. Optionally (tile option KS > 1) D is split over KS programs per row tile
+     h[p, rows] = silu(gate . x_t) * (up . x_t), straight into the down type's x layout (natural order, or the
+     permuted view through `x_view_index`: qmatmul_pallas.NATURAL_X_MAX_B), so no op runs between the two kernels. Optionally (tile option KS > 1) D is split over KS programs per row tile
      and pair; they write partial sums that XLA adds in a fixed order before SiLU(g) * u (more programs in
      flight at B = 1, where the grid is only F / BN x K programs).
   2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
@@ -47,7 +47,7 @@ def _lead(lid_ref, e):
 
 
 def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb, unroll, down_qtype, stacked,
-                   KS):
+                   KS, natural):
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   if KS > 1:
     *w_refs, g_ref, u_ref = refs
@@ -64,7 +64,7 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
 
   def tile_sums(b0, s):
     b0 = b0 + off
-    xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *idx)]]
+    xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     g = qp.TILES[qtype](lambda name, *idx: G[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     u = qp.TILES[qtype](lambda name, *idx: U[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     return jnp.sum(g, axis=1), jnp.sum(u, axis=1)
@@ -76,10 +76,10 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
     u_ref[pl.program_id(2), p, rows] = u
     return
   h = g / (1.0 + jnp.exp(-g)) * u
-  h_ref[p, qp.x_view_index(down_qtype, rows)] = h
+  h_ref[p, rows if natural else qp.x_view_index(down_qtype, rows)] = h
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked):
+def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural):
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
@@ -88,7 +88,7 @@ def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, 
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), D - 1)
 
   def tile_sums(b0, s):
-    xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *idx)]]
+    xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     return (jnp.sum(y, axis=1),)
 
@@ -129,21 +129,23 @@ def _moe(x_TD, ids_TK, w_TK, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
   nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
   names_g, names_d = repack.plane_names(gq), repack.plane_names(dq)
   KS = cg["KS"]
+  nat = qp.x_natural(1)                      # one token (or pair) per program in both kernels
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, K=K, F=F, BN=cg["BN"], S=cg["S"],
-                             nb=nbD, unroll=cg["unroll"], down_qtype=dq, stacked=stacked, KS=KS)
+                             nb=nbD, unroll=cg["unroll"], down_qtype=dq, stacked=stacked, KS=KS, natural=nat)
   parts = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg["BN"]), P, KS),
       out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
-  )(ids, qp.x_view(x_TD.astype(F32), gq), qp.table(gq), *lid, *gplanes, *uplanes)
+  )(ids, qp.x_input(x_TD.astype(F32), gq, nat), qp.table(gq), *lid, *gplanes, *uplanes)
   if KS > 1:
     g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
-    h = qp.x_view(g / (1.0 + jnp.exp(-g)) * u, dq)
+    h = qp.x_input(g / (1.0 + jnp.exp(-g)) * u, dq, nat)
   else:
     h = parts
-  h = h.reshape(P, nbF, *(qp.XVIEW[dq][i] for i in qp.XPERM[dq]))        # the x layout of dq
+  view = qp.XVIEW[dq] if nat else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
+  h = h.reshape(P, nbF, *view)                                             # the x layout of dq
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd["BN"], S=cd["S"], nb=nbF,
-                           unroll=cd["unroll"], stacked=stacked)
+                           unroll=cd["unroll"], stacked=stacked, natural=nat)
   y = pl.pallas_call(
       down, out_shape=jax.ShapeDtypeStruct((P, D), F32), grid=(pl.cdiv(D, cd["BN"]), P),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",

@@ -316,6 +316,38 @@ def x_view(x2, qtype: str):
   return v.transpose(0, 1, *(2 + p for p in XPERM[qtype]))
 
 
+# Up to this many tokens per program the kernels read x in its natural order ([B, nb, *XVIEW], a free reshape: no
+# transpose kernel before each matmul, strided x loads inside it); above, the permuted view (`x_view`: contiguous
+# x loads, one small XLA transpose). The loaded values and the arithmetic are the same either way, so the choice
+# never changes a bit of the result. The routed-expert kernels read one token per program.
+NATURAL_X_MAX_B = 16
+
+
+def x_natural(batch: int) -> bool:
+  return batch <= NATURAL_X_MAX_B
+
+
+def x_input(x2, qtype: str, natural: bool):
+  """The kernel's x operand: [B, nb, *XVIEW[qtype]] (natural) or x_view(x2, qtype)."""
+  if natural:
+    block = quant.GGML_TYPES[qtype][0]
+    return x2.reshape(x2.shape[0], x2.shape[1] // block, *XVIEW[qtype])
+  return x_view(x2, qtype)
+
+
+def x_index(qtype: str, natural: bool, idx: tuple) -> tuple:
+  """Index into the kernel's x operand, after its (token, blocks) dims, of view coordinates `idx` given in the
+  permuted order the tiles use (XPERM[qtype]). The tiles' slices keep their relative order under XPERM, so the
+  loaded array has the same shape in both layouts."""
+  if not natural:
+    return idx
+  perm = XPERM[qtype]
+  sliced = [perm[i] for i, v in enumerate(idx) if isinstance(v, slice)]
+  if sliced != sorted(sliced) or len(idx) != len(perm):
+    raise ValueError(f"x_index: {qtype} coordinates {idx} change order under {perm}")
+  return tuple(idx[perm.index(d)] for d in range(len(perm)))
+
+
 def x_view_index(qtype: str, k):
   """Flat position in `x_view(x, qtype)` (per row) of value index k (int32 array); for kernels that write an
   activation straight into the next kernel's x layout."""
@@ -363,7 +395,7 @@ def compiler_params(c: dict):
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll, stacked):
+def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll, stacked, natural):
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
@@ -372,7 +404,8 @@ def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll, st
 
   def tile_sums(b0, s):
     ld = lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)]
-    xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, s), *idx)], b) for b in range(B)]
+    xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, s), *x_index(qtype, natural, idx))], b)
+          for b in range(B)]
     return tuple(jnp.sum(o, axis=1) for o in TILES[qtype](ld, xs, tab_ref))
 
   accs = k_loop(nb, S, unroll, tile_sums, tuple(jnp.zeros((BN,), F32) for _ in range(B)))
@@ -390,11 +423,11 @@ def _qmatmul(x2, layer, planes, *, qtype, n, interpret, cfg):
   nb = n // quant.GGML_TYPES[qtype][0]
   names = repack.plane_names(qtype)
   kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=c["BN"], S=c["S"], nb=nb,
-                             unroll=c["unroll"], stacked=stacked)
+                             unroll=c["unroll"], stacked=stacked, natural=x_natural(B))
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((B, N), F32), grid=(pl.cdiv(N, c["BN"]),),
       compiler_params=compiler_params(c), interpret=interpret, name=f"qmatmul_{qtype.lower()}",
-  )(x_view(x2.astype(F32), qtype), table(qtype), *lid, *planes)
+  )(x_input(x2.astype(F32), qtype, x_natural(B)), table(qtype), *lid, *planes)
 
 
 def supported(w, batch: int) -> bool:

@@ -1,7 +1,9 @@
-"""GPU probe of the per-token glue kernels' tilings (ops/router_pallas, ops/rope_write_pallas): each variant checked
-against the reference, then timed as a decode step runs it: 48 dependent calls (one per layer) in one jitted call,
-T tokens, the 30B shape by default (D 2048, 128 experts top-8, Hq 32 / Hkv 4 x 128, an int8 ring of 4,096).
-One process, so the variants compare as ratios.
+"""GPU probe of the decode step's small-kernel choices: the glue kernels' tilings (ops/router_pallas,
+ops/rope_write_pallas) and the quantized kernels' x layout (ops/qmatmul_pallas.NATURAL_X_MAX_B: natural order
+against the permuted view). Each variant is checked against the reference, then timed as a decode step runs it: 48
+dependent calls (one per layer) in one jitted call, T tokens, the 30B shape by default (D 2048, 128 experts top-8,
+Hq 32 / Hkv 4 x 128, an int8 ring of 4,096; q/k/v Q8_0 5,120 x 2,048, o 2,048 x 4,096, experts --xtypes). One
+process, so the variants compare as ratios.
 
   python scripts/gpu/glue_bench.py [--T 1,4] [--iters 30]
   python scripts/gpu/glue_bench.py --small          # CPU dry run (interpret mode, 4 layers)
@@ -23,6 +25,9 @@ ap.add_argument("--layers", type=int, default=48)
 ap.add_argument("--router", default="32:256:4:4,64:2048:4:1,128:2048:4:1,32:2048:4:1,64:1024:2:1,64:2048:8:1",
                 help="variants programs:dc:warps:route_warps (the first: the kernel before 2026-12-01)")
 ap.add_argument("--rope", default="1,2,4,8", help="q programs per token (1: the kernel before 2026-12-01)")
+ap.add_argument("--xnat", default="0,16", help="NATURAL_X_MAX_B values to compare (0: the permuted view)")
+ap.add_argument("--xtypes", default="IQ3_S,Q4_K", help="expert types of the x-layout cells")
+ap.add_argument("--only", default="router,rope,x", help="sections to run")
 ap.add_argument("--small", action="store_true")
 args = ap.parse_args()
 INTERP = args.small
@@ -50,6 +55,8 @@ kn = jnp.asarray(1 + 0.1 * rng.standard_normal(Dh), jnp.float32)
 okw = dict(n_heads=Hq, n_kv_heads=Hkv, head_dim=Dh, rope_dim=Dh, theta=1e6, offset=0, eps=1e-6)
 
 for T in (int(t) for t in args.T.split(",")):
+  if "router" not in args.only:
+    break
   x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
   ids_r, w_r = rp.route_ref(x @ router.T, None, **rkw)
   for v in args.router.split(","):
@@ -67,6 +74,8 @@ for T in (int(t) for t in args.T.split(",")):
       return x
     print(f"time router T={T} {v}: {timeit(chain, x):.2f} us per layer (logits + top-k)", flush=True)
 
+  if "rope" not in args.only:
+    continue
   qkv = jnp.asarray(rng.standard_normal((T, (Hq + 2 * Hkv) * Dh)), jnp.float32)
   pos = jnp.arange(100, 100 + T, dtype=jnp.int32)
 
@@ -99,3 +108,49 @@ for T in (int(t) for t in args.T.split(",")):
       jax.block_until_ready(rings)
       ts.append(time.perf_counter() - t)
     print(f"time rope T={T} q_programs={qp}: {1e6 * float(np.median(ts)) / L:.2f} us per layer", flush=True)
+
+
+# ------------------------------------------------------------------ the quantized kernels' x layout
+from ops import moe, moe_pallas, qmatmul, qmatmul_pallas as qp, quant  # noqa: E402
+from ops.qtensor import QTensor  # noqa: E402
+
+if "x" in args.only:
+  F, NE = (768, 128) if not args.small else (256, 16)
+  DX = D if not args.small else 512
+
+  def qt(qtype, shape):
+    return QTensor.from_gguf(quant.random_blocks(qtype, shape, rng), qtype, shape[-1]).replace(
+        kernel="interpret" if INTERP else "pallas")
+  wqkv, wo = qt("Q8_0", (5120 if not args.small else 640, DX)), qt("Q8_0", (DX, 4096 if not args.small else 1024))
+  experts = {q: (qt(q, (NE, F, DX)), qt(q, (NE, F, DX)), qt(q, (NE, DX, F))) for q in args.xtypes.split(",")}
+  for T in (int(t) for t in args.T.split(",")):
+    x = jnp.asarray(rng.standard_normal((T, DX)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(NE)[:K] for _ in range(T)]), jnp.int32)
+    wk = jnp.full((T, K), 1.0 / K, jnp.float32)
+    a = jnp.asarray(rng.standard_normal((T, wo.shape[1])), jnp.float32)
+    refs = {"qkv": qmatmul.qmatmul_ref(x, wqkv), "o": qmatmul.qmatmul_ref(a, wo)}
+    refs.update({q: moe.moe_ref(x, ids, wk, *e) for q, e in experts.items()})
+    for xn in (int(v) for v in args.xnat.split(",")):
+      jax.clear_caches()                               # NATURAL_X_MAX_B is read at trace time
+      qp.NATURAL_X_MAX_B = xn
+      got = {"qkv": qp.qmatmul_pallas(x, wqkv, interpret=INTERP), "o": qp.qmatmul_pallas(a, wo, interpret=INTERP)}
+      got.update({q: moe_pallas.moe_pallas(x, ids, wk, *e, interpret=INTERP) for q, e in experts.items()})
+      for k in got:
+        err = float(jnp.linalg.norm(got[k] - refs[k]) / jnp.linalg.norm(refs[k]))
+        print(f"check x layout T={T} xnat={xn} {k}: rel L2 {err:.1e}", flush=True)
+
+      @jax.jit
+      def proj_chain(x, a):
+        for _ in range(L):
+          y = qp.qmatmul_pallas(x, wqkv, interpret=INTERP)
+          z = qp.qmatmul_pallas(a, wo, interpret=INTERP)
+          x = x + 1e-6 * y[:, :DX] + 1e-6 * z
+        return x
+      print(f"time x layout T={T} xnat={xn} q/k/v + o (Q8_0): {timeit(proj_chain, x, a):.2f} us per layer", flush=True)
+      for q, e in experts.items():
+        @jax.jit
+        def moe_chain(x, e=e):
+          for _ in range(L):
+            x = x + 1e-6 * moe_pallas.moe_pallas(x, ids, wk, *e, interpret=INTERP)
+          return x
+        print(f"time x layout T={T} xnat={xn} experts {q}: {timeit(moe_chain, x):.2f} us per layer", flush=True)
