@@ -63,24 +63,26 @@ _NEW_TILINGS = {}
 def _glue_tilings(spec: str) -> None:
   """Set the glue kernels' tilings for a --glue value (read at trace time): "old" (before 2026-12-01), else the
   modules' own, with "/rope=N" (q programs per token), "/router=P:DC:W:RW" (logits programs, D chunk, warps,
-  top-k warps) and "/xnat=N" (qmatmul_pallas.NATURAL_X_MAX_B; 0: the quantized kernels read the permuted x view)
+  top-k warps) and "/xnat=T:B+T:B" (qmatmul_pallas.NATURAL_X_MAX_B: types whose kernels read x in natural order up to B tokens;
+  xnat=0: none)
   overrides, e.g. on/rope=1/router=64:2048:8:1."""
   from ops import rope_write_pallas, router_pallas
   from ops import qmatmul_pallas
   if not _NEW_TILINGS:
     _NEW_TILINGS.update(logits=dict(router_pallas.LOGITS_TILING), route=router_pallas.ROUTE_WARPS,
-                        rope=rope_write_pallas.Q_PROGRAMS, xnat=qmatmul_pallas.NATURAL_X_MAX_B)
+                        rope=rope_write_pallas.Q_PROGRAMS, xnat=dict(qmatmul_pallas.NATURAL_X_MAX_B))
   router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
   router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
-  qmatmul_pallas.NATURAL_X_MAX_B = _NEW_TILINGS["xnat"]
+  qmatmul_pallas.NATURAL_X_MAX_B = dict(_NEW_TILINGS["xnat"])
   if spec == "old":
     spec = "on/rope=1/router=32:256:4:4"
   for part in spec.split("/")[1:]:
     key, _, val = part.partition("=")
     if key == "rope":
       rope_write_pallas.Q_PROGRAMS = int(val)
-    elif key == "xnat":
-      qmatmul_pallas.NATURAL_X_MAX_B = int(val)
+    elif key == "xnat":                         # xnat=Q4_K:16+Q8_0:16 (types natural up to B tokens), xnat=0: none
+      qmatmul_pallas.NATURAL_X_MAX_B = {} if val == "0" else {t: int(b) for t, b in
+                                                             (v.split(":") for v in val.split("+"))}
     elif key == "router":
       p, dc, w, rw = (int(a) for a in val.split(":"))
       router_pallas.LOGITS_TILING = {"programs": p, "dc": dc, "warps": w}

@@ -6,7 +6,8 @@ For T <= 16 tokens with top-K routing, P = T*K (token, expert) pairs, p = t*K + 
      input, no scalar prefetch), reads rows [i*BN, i*BN + BN) of gate[e] and up[e] (QTensor planes
      [E, F, nb, ...]) over the whole D, dequantizes in registers (the tiles of ops/qmatmul_pallas) and writes
      h[p, rows] = silu(gate . x_t) * (up . x_t), straight into the down type's x layout (natural order, or the
-     permuted view through `x_view_index`: qmatmul_pallas.NATURAL_X_MAX_B), so no op runs between the two kernels. Optionally (tile option KS > 1) D is split over KS programs per row tile
+     permuted view through `x_view_index`: qmatmul_pallas.NATURAL_X_MAX_B), so no op runs between the two
+     kernels. Optionally (tile option KS > 1) D is split over KS programs per row tile
      and pair; they write partial sums that XLA adds in a fixed order before SiLU(g) * u (more programs in
      flight at B = 1, where the grid is only F / BN x K programs).
   2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
@@ -47,7 +48,7 @@ def _lead(lid_ref, e):
 
 
 def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb, unroll, down_qtype, stacked,
-                   KS, natural):
+                   KS, natural, natural_h):
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   if KS > 1:
     *w_refs, g_ref, u_ref = refs
@@ -76,7 +77,7 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
     u_ref[pl.program_id(2), p, rows] = u
     return
   h = g / (1.0 + jnp.exp(-g)) * u
-  h_ref[p, rows if natural else qp.x_view_index(down_qtype, rows)] = h
+  h_ref[p, rows if natural_h else qp.x_view_index(down_qtype, rows)] = h
 
 
 def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural):
@@ -129,23 +130,24 @@ def _moe(x_TD, ids_TK, w_TK, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
   nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
   names_g, names_d = repack.plane_names(gq), repack.plane_names(dq)
   KS = cg["KS"]
-  nat = qp.x_natural(1)                      # one token (or pair) per program in both kernels
+  nat_g, nat_d = qp.x_natural(gq, 1), qp.x_natural(dq, 1)     # one token (or pair) per program in both kernels
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, K=K, F=F, BN=cg["BN"], S=cg["S"],
-                             nb=nbD, unroll=cg["unroll"], down_qtype=dq, stacked=stacked, KS=KS, natural=nat)
+                             nb=nbD, unroll=cg["unroll"], down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
+                             natural_h=nat_d)
   parts = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg["BN"]), P, KS),
       out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
-  )(ids, qp.x_input(x_TD.astype(F32), gq, nat), qp.table(gq), *lid, *gplanes, *uplanes)
+  )(ids, qp.x_input(x_TD.astype(F32), gq, nat_g), qp.table(gq), *lid, *gplanes, *uplanes)
   if KS > 1:
     g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
-    h = qp.x_input(g / (1.0 + jnp.exp(-g)) * u, dq, nat)
+    h = qp.x_input(g / (1.0 + jnp.exp(-g)) * u, dq, nat_d)
   else:
     h = parts
-  view = qp.XVIEW[dq] if nat else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
+  view = qp.XVIEW[dq] if nat_d else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
   h = h.reshape(P, nbF, *view)                                             # the x layout of dq
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd["BN"], S=cd["S"], nb=nbF,
-                           unroll=cd["unroll"], stacked=stacked, natural=nat)
+                           unroll=cd["unroll"], stacked=stacked, natural=nat_d)
   y = pl.pallas_call(
       down, out_shape=jax.ShapeDtypeStruct((P, D), F32), grid=(pl.cdiv(D, cd["BN"]), P),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",

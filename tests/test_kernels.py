@@ -49,6 +49,32 @@ def test_x_view_index_matches_x_view(qtype):
   np.testing.assert_array_equal(flat[pos], np.arange(K))
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_x_layouts_give_bitwise_equal_results(qtype, monkeypatch):
+  """The kernels read x in natural order or through the permuted view (qmatmul_pallas.NATURAL_X_MAX_B, a speed
+  choice per type): the same values enter the same arithmetic, so the matmul and the expert FFN (gate/up writing
+  h in the down type's layout, down reading it) are bitwise equal either way."""
+  rng = np.random.default_rng(7)
+  K = 2 * max(256, quant.GGML_TYPES[qtype][0] * 8)
+  w = QTensor.from_gguf(quant.random_blocks(qtype, (37, K), rng), qtype, K)
+  x = jnp.asarray(rng.standard_normal((3, K)).astype(np.float32))
+  E, F = 4, 256
+  gate, up = (QTensor.from_gguf(quant.random_blocks(qtype, (E, F, K), rng), qtype, K) for _ in range(2))
+  down = QTensor.from_gguf(quant.random_blocks(qtype, (E, K, F), rng), qtype, F)
+  ids = jnp.asarray([[0, 2], [3, 1], [2, 2]], jnp.int32)
+  wk = jnp.asarray(rng.random((3, 2)), jnp.float32)
+  outs = []
+  for natural in (0, 16):
+    monkeypatch.setattr(qmatmul_pallas, "NATURAL_X_MAX_B", {qtype: natural})
+    assert qmatmul_pallas.x_natural(qtype, 3) == bool(natural)
+    jax.clear_caches()                                          # read at trace time
+    outs.append((qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, overrides=dict(BN=16, S=2)),
+                 moe_pallas.moe_pallas(x, ids, wk, gate, up, down, interpret=True)))
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+  assert _relerr(outs[0][1], moe_ops.moe_ref(x, ids, wk, gate, up, down)) < 1e-5
+
+
 @pytest.mark.parametrize("B", [1, 3, 8])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_qmatmul_interpret_matches_reference(qtype, B):

@@ -25,7 +25,8 @@ ap.add_argument("--layers", type=int, default=48)
 ap.add_argument("--router", default="32:256:4:4,64:2048:4:1,128:2048:4:1,32:2048:4:1,64:1024:2:1,64:2048:8:1",
                 help="variants programs:dc:warps:route_warps (the first: the kernel before 2026-12-01)")
 ap.add_argument("--rope", default="1,2,4,8", help="q programs per token (1: the kernel before 2026-12-01)")
-ap.add_argument("--xnat", default="0,16", help="NATURAL_X_MAX_B values to compare (0: the permuted view)")
+ap.add_argument("--xnat", default="0,16", help="B values to compare: every type natural up to B tokens (0: the "
+                "permuted view everywhere)")
 ap.add_argument("--xtypes", default="IQ3_S,Q4_K", help="expert types of the x-layout cells")
 ap.add_argument("--only", default="router,rope,x", help="sections to run")
 ap.add_argument("--small", action="store_true")
@@ -132,7 +133,7 @@ if "x" in args.only:
     refs.update({q: moe.moe_ref(x, ids, wk, *e) for q, e in experts.items()})
     for xn in (int(v) for v in args.xnat.split(",")):
       jax.clear_caches()                               # NATURAL_X_MAX_B is read at trace time
-      qp.NATURAL_X_MAX_B = xn
+      qp.NATURAL_X_MAX_B = {t: xn for t in qp.KERNEL_TYPES}
       got = {"qkv": qp.qmatmul_pallas(x, wqkv, interpret=INTERP), "o": qp.qmatmul_pallas(a, wo, interpret=INTERP)}
       got.update({q: moe_pallas.moe_pallas(x, ids, wk, *e, interpret=INTERP) for q, e in experts.items()})
       for k in got:
