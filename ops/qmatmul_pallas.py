@@ -321,9 +321,10 @@ def x_view(x2, qtype: str):
 # it); above (and for types not listed), the permuted view (`x_view`: contiguous x loads after one small XLA
 # transpose). The loaded values and the arithmetic are the same either way, so the choice never changes a bit of
 # the result; it is a speed choice per type. The routed-expert kernels read one token per program. Measured on the
-# H200 (docs/PERF.md "Decode step"): the 30B step at 1K, Q4_K experts natural 3.19 ms against 3.36 permuted; IQ3_S
-# experts natural 4.17 against 3.56 (its 5-D view makes 16 scattered loads per block).
-NATURAL_X_MAX_B: dict[str, int] = {"Q4_K": 16}
+# H200 (docs/PERF.md "The x layout"), the 30B step at 1K: Q4_K experts and Q8_0 projections natural 3.24 ms against
+# 3.44 permuted; IQ3_S experts natural 4.17 against 3.56 (its 5-D view makes 16 scattered loads per block), Q8_0
+# natural beside them 3.52 against 3.58-3.61. Q5_K, Q6_K, IQ4_XS and IQ4_NL are unmeasured and stay permuted.
+NATURAL_X_MAX_B: dict[str, int] = {"Q4_K": 16, "Q8_0": 16}
 
 
 def x_natural(qtype: str, batch: int) -> bool:
