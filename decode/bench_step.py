@@ -64,22 +64,25 @@ def _glue_tilings(spec: str) -> None:
   """Set the glue kernels' tilings for a --glue value (read at trace time): "old" (before 2026-12-01), else the
   modules' own, with "/rope=N" (q programs per token), "/router=P:DC:W:RW" (logits programs, D chunk, warps,
   top-k warps) and "/xnat=T:B+T:B" (qmatmul_pallas.NATURAL_X_MAX_B: types whose kernels read x in natural order up to B tokens;
-  xnat=0: none)
+  xnat=0: none) and "/gatherq=0" (attention_pallas.GATHER_Q off)
   overrides, e.g. on/rope=1/router=64:2048:8:1."""
   from ops import rope_write_pallas, router_pallas
-  from ops import qmatmul_pallas
+  from ops import attention_pallas, qmatmul_pallas
   if not _NEW_TILINGS:
     _NEW_TILINGS.update(logits=dict(router_pallas.LOGITS_TILING), route=router_pallas.ROUTE_WARPS,
                         rope=rope_write_pallas.Q_PROGRAMS, xnat=dict(qmatmul_pallas.NATURAL_X_MAX_B))
   router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
   router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
   qmatmul_pallas.NATURAL_X_MAX_B = dict(_NEW_TILINGS["xnat"])
+  attention_pallas.GATHER_Q = True
   if spec == "old":
     spec = "on/rope=1/router=32:256:4:4"
   for part in spec.split("/")[1:]:
     key, _, val = part.partition("=")
     if key == "rope":
       rope_write_pallas.Q_PROGRAMS = int(val)
+    elif key == "gatherq":
+      attention_pallas.GATHER_Q = val != "0"
     elif key == "xnat":                         # xnat=Q4_K:16+Q8_0:16 (types natural up to B tokens), xnat=0: none
       qmatmul_pallas.NATURAL_X_MAX_B = {} if val == "0" else {t: int(b) for t, b in
                                                              (v.split(":") for v in val.split("+"))}

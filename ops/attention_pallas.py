@@ -7,6 +7,8 @@ ops/attention.py::ring_attention_ref.
 Tiling.
   rows    all G = Hq/Hkv query heads of one kv head times the T queries, row r = t*G + g, padded to
           P = max(16, next_pow2(T*G)) rows (tl.dot needs M >= 16); padded rows get position -1 (all masked).
+          The kernel gathers and scales its rows from q [T, Hq, Dh] itself (`gather_rows`: no XLA kernel
+          before it).
   tiles   key *position* tiles of `bk` tokens (bk divides the ring's `block`, so bk divides R and a tile
           never straddles the wrap): tile i holds positions [i*bk, (i+1)*bk) in the contiguous slots from
           (i*bk) mod R. Live tiles run from oldest//bk to max(q_pos)//bk, oldest = max(length - R, 0):
@@ -219,8 +221,25 @@ def as_stack(k_ring, v_ring, k_scale, v_scale, layer):
   return k_ring[None], v_ring[None], k_scale, v_scale, 0
 
 
-def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
-            count_visits: bool, tc: bool, dots: str):
+# True: the kernel gathers and scales its q rows (no XLA kernel before it); False: the scaled, padded [Hkv * P, Dh]
+# layout made by XLA, as before 2026-12-01 (kept for the A/B: bench_step --glue on/gatherq=0).
+GATHER_Q = True
+
+
+def gather_rows(q_ref, qpos_ref, h, *, T: int, G: int, P: int, scale: float):
+  """Rows of kv head h for a program: q [P, Dh] (scaled) and rowpos [P], row r = t*G + g taken straight from q
+  [T*Hq, Dh] (row t*Hq + h*G + g) and the query positions [T]; rows r >= T*G repeat a real row and get position -1
+  (all keys masked). Done in the kernel, so no XLA pad/transpose runs before it."""
+  r = lax.broadcasted_iota(jnp.int32, (P,), 0)
+  t = jnp.minimum(r // G, T - 1)
+  Hq = q_ref.shape[0] // T
+  q = q_ref[t * Hq + h * G + r % G, :].astype(jnp.float32) * scale
+  rowpos = jnp.where(r < T * G, qpos_ref[t], -1)
+  return q, rowpos
+
+
+def _kernel(meta_ref, qpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
+            count_visits: bool, tc: bool, dots: str, T: int, G: int, P: int, scale: float, gather: bool):
   """Program (h, s): online softmax of q rows of kv head h over its range of live tiles."""
   ks_ref, vs_ref = (None, None)
   if quant:
@@ -236,9 +255,13 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
   t0 = first + s * tps
   t1 = jnp.minimum(t0 + tps, end)
 
-  q = q_ref[...].astype(jnp.float32)                 # [P, Dh], pre-scaled
-  rowpos = rowpos_ref[...]                           # [P] int32, -1 on padded rows
-  P, Dh = q.shape
+  if gather:
+    q, rowpos = gather_rows(q_ref, qpos_ref, h, T=T, G=G, P=P, scale=scale)  # [P, Dh] scaled, [P] (-1: padding)
+  else:
+    r = lax.broadcasted_iota(jnp.int32, (P,), 0)
+    q = q_ref[pl.ds(pl.multiple_of(h * P, P), P), :]
+    rowpos = jnp.where(r < T * G, qpos_ref[jnp.minimum(r // G, T - 1)], -1)
+  Dh = q.shape[1]
   body = functools.partial(tile_step, q=q, rowpos=rowpos, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, vs_ref=vs_ref,
                            layer=layer, h=h, oldest=oldest, bk=bk, capacity=capacity, tc=tc, dots=dots)
   m, l, acc = lax.fori_loop(t0, t1, body, init_carry(P, Dh))
@@ -285,14 +308,15 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
   oldest = jnp.maximum(length - R, 0)
   meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, n_tiles, tps, oldest, 0, 0, 0]).astype(jnp.int32)
 
-  q = (q_THD.astype(jnp.float32) * scale).reshape(T, Hkv, G, Dh).transpose(1, 0, 2, 3).reshape(Hkv, T * G, Dh)
-  q = jnp.pad(q, ((0, 0), (0, P - T * G), (0, 0)))
-  rowpos = jnp.pad(jnp.repeat(q_pos_T, G), (0, P - T * G), constant_values=-1)
+  if GATHER_Q:
+    q = q_THD.astype(jnp.float32).reshape(T * Hq, Dh)      # a free reshape: rows are gathered in the kernel
+  else:                                                    # the layout before: one XLA kernel per call
+    q = (q_THD.astype(jnp.float32) * scale).reshape(T, Hkv, G, Dh).transpose(1, 0, 2, 3).reshape(Hkv * T * G, Dh)
+    q = jnp.pad(q.reshape(Hkv, T * G, Dh), ((0, 0), (0, P - T * G), (0, 0))).reshape(Hkv * P, Dh)
 
   whole = lambda x: pl.BlockSpec(x.shape, lambda h, s: (0,) * x.ndim)
-  in_specs = [whole(meta), whole(rowpos), pl.BlockSpec((None, P, Dh), lambda h, s: (h, 0, 0)),
-              whole(k_ring), whole(v_ring)]
-  args = [meta, rowpos, q, k_ring, v_ring]
+  in_specs = [whole(meta), whole(q_pos_T), whole(q), whole(k_ring), whole(v_ring)]
+  args = [meta, q_pos_T, q, k_ring, v_ring]
   if quant:
     in_specs += [whole(k_scale), whole(v_scale)]
     args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
@@ -306,7 +330,7 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
     out_shape.append(jax.ShapeDtypeStruct((Hkv, S, P), jnp.int32))
     out_specs.append(pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)))
   kernel = functools.partial(_kernel, bk=bk, capacity=R, quant=quant, count_visits=count_visits, tc=not interpret,
-                             dots=dots)
+                             dots=dots, T=T, G=G, P=P, scale=scale, gather=GATHER_Q)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=in_specs, out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),

@@ -237,6 +237,26 @@ def test_prefill_chunked_matches_reference():
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_q_rows_gathered_in_the_kernel_equal_the_padded_layout(T, monkeypatch):
+  """attention_pallas.GATHER_Q: the kernel takes q [T, Hq, Dh] as is and gathers, scales and pads its rows itself;
+  the old layout (scaled, transposed and padded by XLA) gives bitwise the same output and log-sum-exp."""
+  rng = np.random.default_rng(T)
+  R, hkv, G, dh = 512, 2, 4, 64
+  q = jnp.asarray(rng.standard_normal((T, hkv * G, dh)), jnp.float32)
+  k, v = (jnp.asarray(rng.integers(-127, 128, (R, hkv, dh)), jnp.int8) for _ in range(2))
+  ks, vs = (jnp.asarray(rng.random((R, hkv)) * 0.02, jnp.float32) for _ in range(2))
+  pos = jnp.arange(300, 300 + T, dtype=jnp.int32)
+  outs = []
+  for gather in (True, False):
+    monkeypatch.setattr(attention_pallas, "GATHER_Q", gather)
+    jax.clear_caches()                                             # read at trace time
+    outs.append(ring_attention_pallas(q, k, v, ks, vs, pos, 300 + T, block=256, scale=SCALE, interpret=True,
+                                      with_lse=True))
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
 @pytest.mark.parametrize("platform,kind", [("cuda", "NVIDIA H200"), ("rocm", "gfx942")])
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 @pytest.mark.parametrize("dots", attention_pallas.DOTS)
