@@ -5,18 +5,18 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-01 (seventh session), in priority order:
-#   1. The seed4 arms done at 490ae0f (all bars pass); rerun with the idle-tier skip on (default since b044911):
-#      `ONLY=AN,BN T3=400 PART=3`, `ONLY=AR,BR`, `ONLY=AS,BS` (~5 min each on one GPU).
-#   2. The 1K decode goal (1.39x at 2477afa, needs 1.5x = 3.58 ms per step): `PART=12` traces the step; split the
-#      rope kernel over heads (4.9 us a call), write activations in the next kernel's x layout (the transposes),
-#      fold the expert k-sum into the down kernel; `PART=10` then `PART=7` (Q8_0 projection tiles).
-#   3. Prefill (3,183 tok/s against ~11,300): `PROF11=1 C11=1024 PART=11` (traced at 7808f73: the expert GEMMs are
-#      71 % of kernel time, the reference attention's SIMT sgemms 6 % plus its device waits); first the prefill
-#      attention kernel A/B (new, unmeasured): `T11A=1 C11=1024 V11="default;attn=pallas" PART=11`, then flip
-#      ops.attention.PREFILL_GPU_IMPL if it wins; then an int8 MMA path for the integer codes.
-#   4. Deep tier steps (128K: 148-174 ms per step on seed-mtp): the tier attention still waits on the host once
-#      per layer (dynamic loop bounds) and moves blocks over PCIe; `pair.sh 9 5`: 30B slot sweep.
+# Still open after 2026-12-01 (ninth session), in priority order:
+#   1. Prefill (0.27-0.40x llama.cpp's ~11,300 tok/s; the Pallas prefill attention is the default since 4a2a563):
+#      `PROF11=1 C11=1024 PART=11` traces it (at 7808f73 the expert GEMMs were 71 % of kernel time); the lever is
+#      an int8 MMA path for the integer codes (Q8_0, IQ3_S grid values, K-quant codes, scales applied to the
+#      partials). Host-tier prefill (max_context > ring) still runs the unchunked reference attention (with_lse).
+#   2. The Q4_K 1K decode goal, met narrowly at 4de51d2 (327.0 tok/s, 1.52x, +1.2 %): repeat the end-to-end cell
+#      with 3 seeds; levers left: fold the expert k-sum into the next norm kernel (~1.2 us a layer), the x layout
+#      of Q5_K / Q6_K / IQ4_* (unmeasured, permuted) and at verify sizes (B = 4: `glue_bench.py --only x --T 4`).
+#   3. The seed4 arms at 1K with the idle-tier skip (default since b044911; the 490ae0f table ran without it):
+#      `ONLY=AN,BN T3=400 PART=3`, then AR,BR and AS,BS; the 32K/128K arms need item 1's host-tier prefill and
+#      `decode.bench --reuse_prefill` (one prefill per ring, seed and k).
+#   4. Deep tier steps (128K: 148-174 ms per step on seed-mtp): host waits per layer and PCIe block moves.
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
 set -o pipefail
