@@ -169,14 +169,13 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
   (ops/prefill_attention_pallas.py, T > MAX_T) or the jnp reference.
 
   impl (static): "ref" | "pallas" | "interpret" (the kernels in Pallas interpret mode, CPU tests) | None
-  (default_impl). Prefill beside a host tier (with_lse and T > MAX_T) takes the reference, chunked over
-  queries. Rings are one layer [R, Hkv, Dh] (layer None) or the whole stack
+  (default_impl). Rings are one layer [R, Hkv, Dh] (layer None) or the whole stack
   [L, R, Hkv, Dh] with `layer` (int or int32 scalar): pass the stack, since slicing `ring.k[L]` outside
   makes XLA copy the whole layer (R-proportional bytes) before a custom call or a loop.
   Under the default impl, shapes the kernel does not take (see attention_pallas.supported) fall back to the
   reference; an explicit "pallas"/"interpret" raises instead.
   with_lse (static): return (out, lse [T, Hq]) for an exact merge with another partial (the ring beside a host
-  tier); the reference then runs unchunked (attention_with_lse).
+  tier), from either kernel; the reference then runs unchunked (attention_with_lse).
   """
   T, Hq, Dh = q_THD.shape
   chosen = impl or default_impl(T)
@@ -190,12 +189,12 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
           interpret=chosen == "interpret", with_lse=with_lse)
     if impl is not None:
       raise ValueError(f"ring_attention: impl={impl!r} cannot take this call: {why}")
-  elif chosen != "ref" and not with_lse:
+  elif chosen != "ref":
     why = prefill_attention_pallas.supported(Hq, k_ring.shape[-2], Dh, block)
     if why is None:
       return prefill_attention_pallas.prefill_attention_pallas(
           q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
-          interpret=chosen == "interpret")
+          interpret=chosen == "interpret", with_lse=with_lse)
     if impl is not None:
       raise ValueError(f"ring_attention: impl={impl!r} cannot take this prefill call: {why}")
   if with_lse:

@@ -19,8 +19,8 @@ Tiling.
 
 The prefill pass is shared by plain and speculative decoding (a verify pass of up to MAX_T queries runs the
 decode kernel), so this kernel needs no batch invariance; each row still depends on its own query only.
-A host tier's merge needs the log-sum-exp, which this kernel does not return: prefill beside a tier keeps
-the reference.
+With `with_lse` it also returns each row's log-sum-exp of its scaled scores, for the exact merge with the host
+tier's part (ops/attention.merge_lse), so prefill beside a tier runs the kernel too.
 """
 from __future__ import annotations
 
@@ -62,8 +62,10 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int, block: int) -> str |
 
 
 def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool, tc: bool,
-            dots: str):
+            dots: str, with_lse: bool):
   """Program (h, j): rows of query block j under kv head h, online softmax over their live causal tiles."""
+  refs = list(refs)
+  lse_ref = refs.pop() if with_lse else None
   ks_ref, vs_ref, o_ref = refs if quant else (None, None, *refs)
   h = pl.program_id(0)
   layer, first, oldest = meta_ref[0], meta_ref[1], meta_ref[2]
@@ -72,17 +74,20 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
   end = jnp.max(rowpos) // bk + 1                  # one past the tile of the block's last query
   body = functools.partial(tile_step, q=q, rowpos=rowpos, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, vs_ref=vs_ref,
                            layer=layer, h=h, oldest=oldest, bk=bk, capacity=capacity, tc=tc, dots=dots)
-  _, l, acc = lax.fori_loop(first, end, body, init_carry(*q.shape))
+  m, l, acc = lax.fori_loop(first, end, body, init_carry(*q.shape))
   o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
+  if with_lse:                                     # as attention_with_lse: -inf where no key was visible
+    lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bq", "bk", "num_warps", "num_stages",
-                                             "dots"))
+                                             "dots", "with_lse"))
 def prefill_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int,
                              scale: float, interpret: bool = False, bq: int | None = None, bk: int | None = None,
                              num_warps: int | None = None, num_stages: int | None = None,
-                             dots: str | None = None):
-  """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref, for any T. Returns [T, Hq, Dh] float32.
+                             dots: str | None = None, with_lse: bool = False):
+  """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref, for any T. Returns [T, Hq, Dh] float32,
+  and with with_lse (out, lse [T, Hq]) as ops.attention.attention_with_lse.
 
   k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
   k_scale/v_scale: [(L,) R, Hkv] or None. bq, bk, num_warps, num_stages override the tuning table; dots as
@@ -136,11 +141,18 @@ def prefill_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, l
   if quant:
     in_specs += [whole(k_scale), whole(v_scale)]
     args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
-  out = pl.pallas_call(
-      functools.partial(_kernel, bk=bk, capacity=R, quant=quant, tc=not interpret, dots=dots),
-      out_shape=jax.ShapeDtypeStruct((Hkv, nq, BM, Dh), jnp.float32), grid=(Hkv, nq), in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, None, BM, Dh), lambda h, j: (h, j, 0, 0)),
+  out_shape = [jax.ShapeDtypeStruct((Hkv, nq, BM, Dh), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, None, BM, Dh), lambda h, j: (h, j, 0, 0))]
+  if with_lse:
+    out_shape.append(jax.ShapeDtypeStruct((Hkv, nq, BM), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, BM), lambda h, j: (h, j, 0)))
+  outs = pl.pallas_call(
+      functools.partial(_kernel, bk=bk, capacity=R, quant=quant, tc=not interpret, dots=dots, with_lse=with_lse),
+      out_shape=out_shape, grid=(Hkv, nq), in_specs=in_specs, out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
       name="ring_prefill_attention")(*args)
-  out = out.reshape(Hkv, nq, bq, G, Dh).transpose(1, 2, 0, 3, 4).reshape(nq * bq, Hq, Dh)
-  return out[:T]
+  out = outs[0].reshape(Hkv, nq, bq, G, Dh).transpose(1, 2, 0, 3, 4).reshape(nq * bq, Hq, Dh)[:T]
+  if not with_lse:
+    return out
+  lse = outs[1].reshape(Hkv, nq, bq, G).transpose(1, 2, 0, 3).reshape(nq * bq, Hq)[:T]
+  return out, lse

@@ -56,6 +56,21 @@ def test_prefill_kernel_matches_reference(T, Hq, Hkv, Dh, R, start, dtype):
   assert err < (1e-6 if dtype == "f32" else 1e-5), err
 
 
+@pytest.mark.parametrize("T,Hq,Hkv,Dh,R,start,dtype", CASES[:3] + CASES[4:])
+def test_prefill_kernel_log_sum_exp_matches_reference(T, Hq, Hkv, Dh, R, start, dtype):
+  """with_lse (prefill beside a host tier): out and the rows' log-sum-exp as attention.attention_with_lse, the
+  reference the tier's merge was written against."""
+  rng = np.random.default_rng(T + R + 1)
+  q = jnp.asarray(rng.standard_normal((T, Hq, Dh)), jnp.float32)
+  k, v, ks, vs = _ring(R, Hkv, Dh, dtype, rng)
+  pos = jnp.arange(start, start + T, dtype=jnp.int32)
+  kw = dict(block=64, scale=Dh ** -0.5)
+  got, lse = pa.prefill_attention_pallas(q, k, v, ks, vs, pos, start + T, interpret=True, with_lse=True, **kw)
+  ref, ref_lse = attention.attention_with_lse(q, k, v, ks, vs, pos, start + T, **kw)
+  assert lse.shape == (T, Hq) and _rel(got, ref) < (1e-6 if dtype == "f32" else 1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=0, atol=2e-5)
+
+
 def test_prefill_kernel_on_a_stacked_ring_takes_the_layer_index():
   """A [L, R, ...] ring with `layer` as an int32 input equals the kernel on that layer alone."""
   rng = np.random.default_rng(1)
@@ -77,9 +92,8 @@ def test_prefill_kernel_refuses_a_group_size_it_cannot_tile():
 
 
 def test_dispatcher_runs_the_prefill_kernel_for_long_calls(monkeypatch):
-  """ring_attention with impl="interpret": T <= MAX_T runs the decode kernel, T > MAX_T the prefill kernel (also
-  for a G the kernel cannot tile, where only an explicit impl raises), and a host tier's call (with_lse) keeps
-  the reference."""
+  """ring_attention with impl="interpret": T <= MAX_T runs the decode kernel, T > MAX_T the prefill kernel, also
+  for a host tier's call (with_lse); for a G the kernel cannot tile only an explicit impl raises."""
   calls = []
   real = pa.prefill_attention_pallas
   monkeypatch.setattr(pa, "prefill_attention_pallas", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
@@ -91,8 +105,9 @@ def test_dispatcher_runs_the_prefill_kernel_for_long_calls(monkeypatch):
     got = attention.ring_attention(q, k, v, ks, vs, pos, 50 + T, block=64, scale=0.125, impl="interpret")
     assert _rel(got, ring_attention_ref(q, k, v, ks, vs, pos, 50 + T, block=64, scale=0.125)) < 1e-5
   assert calls == [30]
-  attention.ring_attention(q, k, v, ks, vs, pos, 80, block=64, scale=0.125, impl="interpret", with_lse=True)
-  assert calls == [30]
+  out, lse = attention.ring_attention(q, k, v, ks, vs, pos, 80, block=64, scale=0.125, impl="interpret",
+                                      with_lse=True)
+  assert calls == [30, 30] and lse.shape == (30, 4)
   with pytest.raises(ValueError, match="cannot take this prefill call"):
     attention.ring_attention(jnp.zeros((30, 6, 64)), k, v, ks, vs, pos, 80, block=64, scale=0.125,
                              impl="interpret")
@@ -124,15 +139,17 @@ def test_model_prefill_through_the_kernel_equals_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
-@pytest.mark.parametrize("dtype", ["int8", "f32"])
-def test_prefill_kernel_lowers(platform, dtype):
-  """The 30B shape's layer (Hq 32, Hkv 4, Dh 128) on a 4K ring, a 1,024-token chunk, one Triton call."""
+@pytest.mark.parametrize("dtype,with_lse", [("int8", False), ("f32", False), ("int8", True)])
+def test_prefill_kernel_lowers(platform, dtype, with_lse):
+  """The 30B shape's layer (Hq 32, Hkv 4, Dh 128) on a 4K ring, a 1,024-token chunk, one Triton call (also with
+  the log-sum-exp output of a host tier's prefill)."""
   kd = jnp.int8 if dtype == "int8" else jnp.float32
   q = jax.ShapeDtypeStruct((1024, 32, 128), jnp.float32)
   k = jax.ShapeDtypeStruct((4096, 4, 128), kd)
   s = jax.ShapeDtypeStruct((4096, 4), jnp.float32) if dtype == "int8" else None
   pos = jax.ShapeDtypeStruct((1024,), jnp.int32)
   n = jax.ShapeDtypeStruct((), jnp.int32)
-  fn = (lambda q, k, v, ks, vs, p, n: pa.prefill_attention_pallas(q, k, v, ks, vs, p, n, block=256, scale=0.088))
+  fn = (lambda q, k, v, ks, vs, p, n: pa.prefill_attention_pallas(q, k, v, ks, vs, p, n, block=256, scale=0.088,
+                                                                  with_lse=with_lse))
   txt = _lower(platform, fn, q, k, k, s, s, pos, n)
   assert txt.count("__gpu$xla.gpu.triton") == 1

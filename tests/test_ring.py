@@ -183,6 +183,34 @@ def test_host_tier_beside_the_attention_kernel_equals_full_cache(monkeypatch, re
   assert small.ids == big.ids
 
 
+def test_host_tier_prefill_on_the_prefill_kernel_equals_full_cache(monkeypatch, request):
+  """Prefill beside a host tier runs the prefill kernel (interpret mode here, compiled on a GPU) with its
+  log-sum-exp for the merge with the tier's part: the same greedy tokens as one ring holding everything."""
+  from ops import attention, prefill_attention_pallas
+  calls = []
+  kernel = prefill_attention_pallas.prefill_attention_pallas
+
+  def counted(*a, **kw):
+    calls.append(kw.get("with_lse", False))
+    return kernel(*a, **kw)
+
+  monkeypatch.setattr(attention, "default_impl", lambda T: "interpret")
+  monkeypatch.setattr(prefill_attention_pallas, "prefill_attention_pallas", counted)
+  from decode import host_tier
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", False)    # only the tier's path traced (no ring-only branch)
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
+  m = _model()
+  prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 400)]
+  big = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=1024, prefill_chunk=100)
+  assert calls and not any(calls)
+  calls.clear()
+  small = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
+                   prefill_chunk=100)
+  assert calls and all(calls)                  # beside the tier every prefill call asked for the lse
+  assert small.ids == big.ids
+
+
 @pytest.mark.parametrize("skip_idle", [False, True])
 def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_idle):
   """The tier placed in pinned_host memory (as on a GPU; jax's CPU client has the kind) runs the jitted steps

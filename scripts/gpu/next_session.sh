@@ -9,12 +9,13 @@
 #   1. Prefill (0.27-0.40x llama.cpp's ~11,300 tok/s; the Pallas prefill attention is the default since 4a2a563):
 #      `PROF11=1 C11=1024 PART=11` traces it (at 7808f73 the expert GEMMs were 71 % of kernel time); the lever is
 #      an int8 MMA path for the integer codes (Q8_0, IQ3_S grid values, K-quant codes, scales applied to the
-#      partials). Host-tier prefill (max_context > ring) still runs the unchunked reference attention (with_lse).
+#      partials). Host-tier prefill (max_context > ring) runs the prefill kernel with its log-sum-exp since the
+#      ninth session (unmeasured): the GPU seed4 cell at 32K took 35.5 s TTFT through the reference before.
 #   2. The Q4_K 1K decode goal, met narrowly at 4de51d2 (327.0 tok/s, 1.52x, +1.2 %): repeat the end-to-end cell
 #      with 3 seeds; levers left: fold the expert k-sum into the next norm kernel (~1.2 us a layer), the x layout
 #      of Q5_K / Q6_K / IQ4_* (unmeasured, permuted) and at verify sizes (B = 4: `glue_bench.py --only x --T 4`).
 #   3. The seed4 arms at 1K with the idle-tier skip (default since b044911; the 490ae0f table ran without it):
-#      `ONLY=AN,BN T3=400 PART=3`, then AR,BR and AS,BS; the 32K/128K arms need item 1's host-tier prefill and
+#      `ONLY=AN,BN T3=400 PART=3`, then AR,BR and AS,BS; the 32K/128K arms with the host-tier prefill kernel and
 #      `decode.bench --reuse_prefill` (one prefill per ring, seed and k).
 #   4. Deep tier steps (128K: 148-174 ms per step on seed-mtp): host waits per layer and PCIe block moves.
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
