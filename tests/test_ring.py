@@ -300,3 +300,39 @@ def test_idle_tier_skip_crosses_the_window_exactly(monkeypatch, request):
       out.append(np.asarray(l))
     logits[skip] = np.stack(out)
   np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)
+
+
+def test_idle_tier_skip_runs_no_tier_work_while_idle(monkeypatch, request):
+  """host_tier.SKIP_IDLE_TIER, counted at run time (a jax.debug.callback inside the tier's path, which executes
+  only when its branch runs): a request whose positions stay inside the ring's window runs the tier's path in no
+  pass with the skip and in every pass without it; a request that crosses the window runs it exactly in the
+  passes whose last position has left the window."""
+  from decode import host_tier
+  from decode.engine import GenConfig, start_request
+  runs = []
+  real = host_tier.evict_leaving
+
+  def counted(tier, ring, pos):
+    jax.debug.callback(lambda p: runs.append(int(p[-1])), pos)
+    return real(tier, ring, pos)
+
+  monkeypatch.setattr(host_tier, "evict_leaving", counted)
+  request.addfinalizer(jax.clear_caches)
+  m = _model()
+  kw = dict(stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  window = start_request(m, [1], GenConfig(max_new_tokens=1, **kw)).state.ring.window
+  prompt = [int(t) for t in np.random.default_rng(6).integers(0, 1024, 100)]
+  for skip, expect in ((True, 0), (False, 1 + 19)):        # one prefill pass, then 19 decode steps
+    monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip)
+    jax.clear_caches()
+    runs.clear()
+    generate(m, prompt, max_new_tokens=20, **kw)
+    jax.effects_barrier()
+    assert len(runs) == expect, (skip, runs)
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", True)
+  jax.clear_caches()
+  runs.clear()
+  long = [int(t) for t in np.random.default_rng(7).integers(0, 1024, window - 10)]   # ends 10 before the edge
+  generate(m, long, max_new_tokens=30, **kw)              # steps write positions window - 10 .. window + 18
+  jax.effects_barrier()
+  assert runs == list(range(window, window + 19)), runs
