@@ -155,59 +155,37 @@ def test_host_tier_wrapping_ring_equals_full_cache(kv):
   assert err < (1e-5 if kv == "f32" else 1e-4)
 
 
-def test_host_tier_beside_the_attention_kernel_equals_full_cache(monkeypatch, request):
-  """With a host tier the ring's part of attention runs on the decode kernel (here in interpret mode, as on a
-  GPU in compiled mode) and returns its log-sum-exp for the merge with the tier's part: the same greedy tokens
-  as one ring holding everything, also on the kernel."""
-  from ops import attention, attention_pallas
-  calls = []
-  kernel = attention_pallas.ring_attention_pallas
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_host_tier_beside_the_attention_kernels_equals_full_cache(kernel, monkeypatch, request):
+  """With a host tier the ring's part of attention runs on the kernels (interpret mode here, compiled on a GPU)
+  and returns its log-sum-exp for the merge with the tier's part: decode steps on the decode kernel, prefill
+  chunks on the prefill kernel. The same greedy tokens as one ring holding everything, also on the kernels; every
+  kernel call beside the tier asks for the lse, none without it."""
+  from decode import host_tier
+  from ops import attention, attention_pallas, prefill_attention_pallas
+  module, name = ((attention_pallas, "ring_attention_pallas") if kernel == "decode" else
+                  (prefill_attention_pallas, "prefill_attention_pallas"))
+  real, calls = getattr(module, name), []
 
   def counted(*a, **kw):
     calls.append(kw.get("with_lse", False))
-    return kernel(*a, **kw)
+    return real(*a, **kw)
 
-  from decode import host_tier
-  monkeypatch.setattr(attention, "default_impl", lambda T: "interpret" if T <= attention_pallas.MAX_T else "ref")
-  monkeypatch.setattr(attention_pallas, "ring_attention_pallas", counted)
+  impl = (lambda T: "interpret" if T <= attention_pallas.MAX_T else "ref") if kernel == "decode" else \
+      (lambda T: "interpret")
+  monkeypatch.setattr(attention, "default_impl", impl)
+  monkeypatch.setattr(module, name, counted)
   monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", False)    # only the tier's path traced (no ring-only branch)
   jax.clear_caches()
   request.addfinalizer(jax.clear_caches)
   m = _model()
-  prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1024, 300)]
-  big = generate(m, prompt, max_new_tokens=16, stop_at_eos=False, kv="int8", kv_resident=1024)
+  n, kw = (300, dict(max_new_tokens=16)) if kernel == "decode" else (400, dict(max_new_tokens=8, prefill_chunk=100))
+  prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1024, n)]
+  big = generate(m, prompt, stop_at_eos=False, kv="int8", kv_resident=1024, **kw)
   assert calls and not any(calls)
   calls.clear()
-  small = generate(m, prompt, max_new_tokens=16, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
-  assert calls and all(calls)                  # every kernel call beside the tier asked for the lse
-  assert small.ids == big.ids
-
-
-def test_host_tier_prefill_on_the_prefill_kernel_equals_full_cache(monkeypatch, request):
-  """Prefill beside a host tier runs the prefill kernel (interpret mode here, compiled on a GPU) with its
-  log-sum-exp for the merge with the tier's part: the same greedy tokens as one ring holding everything."""
-  from ops import attention, prefill_attention_pallas
-  calls = []
-  kernel = prefill_attention_pallas.prefill_attention_pallas
-
-  def counted(*a, **kw):
-    calls.append(kw.get("with_lse", False))
-    return kernel(*a, **kw)
-
-  monkeypatch.setattr(attention, "default_impl", lambda T: "interpret")
-  monkeypatch.setattr(prefill_attention_pallas, "prefill_attention_pallas", counted)
-  from decode import host_tier
-  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", False)    # only the tier's path traced (no ring-only branch)
-  jax.clear_caches()
-  request.addfinalizer(jax.clear_caches)
-  m = _model()
-  prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 400)]
-  big = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=1024, prefill_chunk=100)
-  assert calls and not any(calls)
-  calls.clear()
-  small = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
-                   prefill_chunk=100)
-  assert calls and all(calls)                  # beside the tier every prefill call asked for the lse
+  small = generate(m, prompt, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024, **kw)
+  assert calls and all(calls)
   assert small.ids == big.ids
 
 
