@@ -8,9 +8,11 @@ extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 if [ ! -x .venv/bin/python ]; then
   py=""
-  if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare | grep -qx '3.12.1'; then
+  # (grep without -q: under pipefail, grep -q exiting at the first match can kill pyenv with SIGPIPE and fail the
+  # pipeline, a race that sent a clean CI clone to the pyenv shim below)
+  if command -v pyenv >/dev/null 2>&1 && pyenv versions --bare | grep -x '3.12.1' >/dev/null; then
     py="$(PYENV_VERSION=3.12.1 pyenv which python3)"
-  elif command -v python3.12 >/dev/null 2>&1; then
+  elif command -v python3.12 >/dev/null 2>&1 && python3.12 --version >/dev/null 2>&1; then
     py="$(command -v python3.12)"
   elif command -v pyenv >/dev/null 2>&1; then
     pyenv install -s 3.12.1 && py="$(PYENV_VERSION=3.12.1 pyenv which python3)"
