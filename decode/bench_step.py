@@ -49,10 +49,10 @@ flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
 flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
                   "--nofuse_qkv runs three")
 flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNorm + residual, routing, q/k norm + "
-                  "RoPE + ring write; model.transformer.GLUE_KERNELS, with --kernels pallas); off: the XLA ops; old: the "
-                  "kernels with the tilings before 2026-12-01 (router 32 programs x 256-wide chunks, 4-warp top-k, "
-                  "one RoPE program per token); on may carry overrides, on/rope=N/router=P:DC:W:RW (see _glue_tilings); a list: "
-                  "every variant cell by cell in one process (the A/B)")
+                  "RoPE + ring write; model.transformer.GLUE_KERNELS, with --kernels pallas); off: the XLA ops; "
+                  "old: the glue tilings before 2026-12-01; on may carry overrides (see _glue_tilings), e.g. "
+                  "on/rope=1/router=64:2048:8:1/xnat=0/gatherq=0; a list runs every variant cell by cell in one "
+                  "process (the A/B)")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
@@ -61,37 +61,43 @@ _NEW_TILINGS = {}
 
 
 def _glue_tilings(spec: str) -> None:
-  """Set the glue kernels' tilings for a --glue value (read at trace time): "old" (before 2026-12-01), else the
-  modules' own, with "/rope=N" (q programs per token), "/router=P:DC:W:RW" (logits programs, D chunk, warps,
-  top-k warps) and "/xnat=T:B+T:B" (qmatmul_pallas.NATURAL_X_MAX_B: types whose kernels read x in natural order up to B tokens;
-  xnat=0: none) and "/gatherq=0" (attention_pallas.GATHER_Q off)
-  overrides, e.g. on/rope=1/router=64:2048:8:1."""
-  from ops import rope_write_pallas, router_pallas
-  from ops import attention_pallas, qmatmul_pallas
+  """Set the small-kernel choices of one --glue value (all read at trace time). Start from the modules' own, then
+  apply "old" (the glue tilings before 2026-12-01) or "/"-separated overrides:
+    rope=N             ops.rope_write_pallas.Q_PROGRAMS (q programs per token)
+    router=P:DC:W:RW   ops.router_pallas.LOGITS_TILING (programs, D chunk, warps) and ROUTE_WARPS
+    xnat=T:B+T:B | 0   ops.qmatmul_pallas.NATURAL_X_MAX_B (types read in natural x order up to B tokens; 0: none)
+    gatherq=0          ops.attention_pallas.GATHER_Q off (q padded by XLA)
+  A malformed value is a one-line usage error."""
+  from ops import attention_pallas, qmatmul_pallas, rope_write_pallas, router_pallas
   if not _NEW_TILINGS:
     _NEW_TILINGS.update(logits=dict(router_pallas.LOGITS_TILING), route=router_pallas.ROUTE_WARPS,
-                        rope=rope_write_pallas.Q_PROGRAMS, xnat=dict(qmatmul_pallas.NATURAL_X_MAX_B))
+                        rope=rope_write_pallas.Q_PROGRAMS, xnat=dict(qmatmul_pallas.NATURAL_X_MAX_B),
+                        gatherq=attention_pallas.GATHER_Q)
   router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
   router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
   qmatmul_pallas.NATURAL_X_MAX_B = dict(_NEW_TILINGS["xnat"])
-  attention_pallas.GATHER_Q = True
-  if spec == "old":
-    spec = "on/rope=1/router=32:256:4:4"
-  for part in spec.split("/")[1:]:
+  attention_pallas.GATHER_Q = _NEW_TILINGS["gatherq"]
+  base, *parts = ("on/rope=1/router=32:256:4:4" if spec == "old" else spec).split("/")
+  if base not in ("on", "off") or (base == "off" and parts):
+    raise app.UsageError(f"--glue {spec!r}: expected on, off, old, or on with /-separated overrides")
+  for part in parts:
     key, _, val = part.partition("=")
-    if key == "rope":
-      rope_write_pallas.Q_PROGRAMS = int(val)
-    elif key == "gatherq":
-      attention_pallas.GATHER_Q = val != "0"
-    elif key == "xnat":                         # xnat=Q4_K:16+Q8_0:16 (types natural up to B tokens), xnat=0: none
-      qmatmul_pallas.NATURAL_X_MAX_B = {} if val == "0" else {t: int(b) for t, b in
-                                                             (v.split(":") for v in val.split("+"))}
-    elif key == "router":
-      p, dc, w, rw = (int(a) for a in val.split(":"))
-      router_pallas.LOGITS_TILING = {"programs": p, "dc": dc, "warps": w}
-      router_pallas.ROUTE_WARPS = rw
-    else:
-      raise app.UsageError(f"--glue {spec!r}: unknown override {part!r}, expected rope=N or router=P:DC:W:RW")
+    try:
+      if key == "rope":
+        rope_write_pallas.Q_PROGRAMS = int(val)
+      elif key == "router":
+        p, dc, w, rw = (int(a) for a in val.split(":"))
+        router_pallas.LOGITS_TILING, router_pallas.ROUTE_WARPS = {"programs": p, "dc": dc, "warps": w}, rw
+      elif key == "xnat":
+        qmatmul_pallas.NATURAL_X_MAX_B = {} if val == "0" else {t: int(b) for t, b in
+                                                               (v.split(":") for v in val.split("+"))}
+      elif key == "gatherq":
+        attention_pallas.GATHER_Q = val != "0"
+      else:
+        raise ValueError(key)
+    except ValueError:
+      raise app.UsageError(f"--glue {spec!r}: override {part!r}, expected rope=N, router=P:DC:W:RW, "
+                           f"xnat=T:B+T:B or 0, gatherq=0") from None
 
 
 def _random_kv(store, n_live: int, seed: int):
@@ -186,8 +192,8 @@ def main(argv):
   from ops import attention_pallas
   host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle      # read at trace time
   from model import transformer
-  if not {g.split("/")[0] for g in FLAGS.glue} <= {"on", "off", "old"}:
-    raise app.UsageError(f"--glue {FLAGS.glue}: expected on, off, old (on may carry /rope=N, /router=P:DC:W:RW)")
+  for g in FLAGS.glue:                        # every variant checked before the first cell runs
+    _glue_tilings(g)
   if FLAGS.attn_kernel:
     attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
   cfg = preset(FLAGS.preset)
@@ -236,7 +242,8 @@ def main(argv):
         ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)),
                          depth, wrap=host_cap is not None)
         host = fill_host(ring, depth, host_cap) if host_cap else None
-        tdir = os.path.join(FLAGS.profile, f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")) if FLAGS.profile else None
+        name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
+        tdir = os.path.join(FLAGS.profile, name) if FLAGS.profile else None
         ts, first_s = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir)
       except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
         print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)

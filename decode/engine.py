@@ -261,8 +261,8 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   key = None
   if prefill_cache is not None and not gen.expert_slots:
     key = (id(params), model.cfg, tuple(prompt), cap, slack, host, gen.kv, chunk)
-    hit = prefill_cache.get(key)
-    if hit is not None and hit[2] is params:      # the key's id(params) is of these weights, not a reused id
+    hit = prefill_cache.get(key)                 # an entry keeps its params alive, so their id stays theirs
+    if hit is not None:
       ring, tier, logits, hidden = _fresh(hit[0])
       return Started(state.replace(ring=ring, host=tier), logits, hidden, cap, grow=not fixed, reused_s=hit[1])
   t0 = time.perf_counter()

@@ -268,7 +268,8 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   prop, accd = np.asarray(s.proposed).tolist(), np.asarray(s.accepted).tolist()
   stats = {"prompt_tokens": T, "generated_tokens": len(ids), "ttft_s": ttft, "decode_s": dt,
            "decode_tok_s": (got - 1) / dt if dt > 0 else 0.0, "kv": gen.kv, "kv_resident": cap, "eager": eager,
-           "prefill_reused": st.reused_s is not None, "drafter": drafter, "k": k, "rounds": rounds, "drafts_proposed": prop, "drafts_accepted": accd,
+           "prefill_reused": st.reused_s is not None, "drafter": drafter, "k": k, "rounds": rounds,
+           "drafts_proposed": prop, "drafts_accepted": accd,
            "acceptance": (sum(accd) / sum(prop)) if sum(prop) else 0.0,
            "mean_accepted_len": (sum(accd) / rounds) if rounds else 0.0,
            "mtp_window": mtp_window if drafter == "mtp" else None, "expert_cache": cache_stats(s.model, got, prefilled)}

@@ -311,9 +311,7 @@ def config(qtype: str, rows: int, nb: int, overrides: dict | None = None, batch:
 
 def x_view(x2, qtype: str):
   """x [B, K] float32 -> [B, nb, *permuted XVIEW[qtype]] (one small transpose)."""
-  block = quant.GGML_TYPES[qtype][0]
-  v = x2.reshape(x2.shape[0], x2.shape[1] // block, *XVIEW[qtype])
-  return v.transpose(0, 1, *(2 + p for p in XPERM[qtype]))
+  return x_input(x2, qtype, natural=True).transpose(0, 1, *(2 + p for p in XPERM[qtype]))
 
 
 # The x layout each type's kernels read, by type: up to NATURAL_X_MAX_B[qtype] tokens per program x is read in its

@@ -238,7 +238,7 @@ def test_prefill_chunked_matches_reference():
 
 
 @pytest.mark.parametrize("T", [1, 3])
-def test_q_rows_gathered_in_the_kernel_equal_the_padded_layout(T, monkeypatch):
+def test_q_rows_gathered_in_the_kernel_equal_the_padded_layout(T, monkeypatch, request):
   """attention_pallas.GATHER_Q: the kernel takes q [T, Hq, Dh] as is and gathers, scales and pads its rows itself;
   the old layout (scaled, transposed and padded by XLA) gives bitwise the same output and log-sum-exp."""
   rng = np.random.default_rng(T)
@@ -247,6 +247,7 @@ def test_q_rows_gathered_in_the_kernel_equal_the_padded_layout(T, monkeypatch):
   k, v = (jnp.asarray(rng.integers(-127, 128, (R, hkv, dh)), jnp.int8) for _ in range(2))
   ks, vs = (jnp.asarray(rng.random((R, hkv)) * 0.02, jnp.float32) for _ in range(2))
   pos = jnp.arange(300, 300 + T, dtype=jnp.int32)
+  request.addfinalizer(jax.clear_caches)              # no trace made under the patched choice outlives it
   outs = []
   for gather in (True, False):
     monkeypatch.setattr(attention_pallas, "GATHER_Q", gather)

@@ -97,3 +97,18 @@ def test_seed4_speed_bars_hold_at_1k_and_deep_cells_report_the_ratio():
   deep = bench._verdicts(records, [(a, b, None if w == "decode tok/s" else t, w) for a, b, t, w in bench.SEED4_BARS])
   assert "BS/AS decode tok/s = 1.040 (deep cell: reported, no bar)" in deep
   assert any(v.startswith("drafts accepted AS") and v.endswith("PASS") for v in deep)
+
+
+def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
+  """--reuse_prefill: seeds run outermost, each arm's compiling run takes seed 0's prompt, and arms with the same
+  ring and k share a prefill (NextN and lookup at k = 3): only the first arm's seed-1 run prefills by itself."""
+  cells = tmp_path / "cells.jsonl"
+  r = subprocess.run(
+      [sys.executable, "-m", "decode.bench", "--rings", "2048", "--drafts", "mtp,lookup", "--depths", "48",
+       "--max_new_tokens", "8", "--seeds", "2", "--reuse_prefill", "--cells", str(cells)],
+      capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  recs = [json.loads(line) for line in cells.read_text().splitlines()]
+  got = [(x["arm"].split("-")[1], x["seed"], x["stats"]["prefill_reused"]) for x in recs]
+  assert got == [("mtp", 0, True), ("lookup", 0, True), ("mtp", 1, False), ("lookup", 1, True)], got
+  assert all(x["config"]["reuse_prefill"] and x["stats"]["ttft_s"] > 0 for x in recs)

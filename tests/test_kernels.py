@@ -50,7 +50,7 @@ def test_x_view_index_matches_x_view(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_x_layouts_give_bitwise_equal_results(qtype, monkeypatch):
+def test_x_layouts_give_bitwise_equal_results(qtype, monkeypatch, request):
   """The kernels read x in natural order or through the permuted view (qmatmul_pallas.NATURAL_X_MAX_B, a speed
   choice per type): the same values enter the same arithmetic, so the matmul and the expert FFN (gate/up writing
   h in the down type's layout, down reading it) are bitwise equal either way."""
@@ -63,6 +63,7 @@ def test_x_layouts_give_bitwise_equal_results(qtype, monkeypatch):
   down = QTensor.from_gguf(quant.random_blocks(qtype, (E, K, F), rng), qtype, F)
   ids = jnp.asarray([[0, 2], [3, 1], [2, 2]], jnp.int32)
   wk = jnp.asarray(rng.random((3, 2)), jnp.float32)
+  request.addfinalizer(jax.clear_caches)              # no trace made under the patched choice outlives it
   outs = []
   for natural in (0, 16):
     monkeypatch.setattr(qmatmul_pallas, "NATURAL_X_MAX_B", {qtype: natural})
