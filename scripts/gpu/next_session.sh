@@ -104,6 +104,12 @@ case "${PART:-1}" in
   for p in ${P13:-seed-mtp qwen3moe-30b-a3b}; do
     timeout ${T13:-150} python3 scripts/gpu/batch_invariance.py --preset $p --layers 4 2>&1 | grep -vE "^(W|I)[0-9]" | tail -12
   done ;;
+14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
+    # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
+    # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)
+  timeout ${T14A:-200} python3 scripts/gpu/gemm_paths.py ${TL14:+--tiles "$TL14"} 2>&1 | tee $OUT/gemm_paths.log | grep -E "^(check|time|fail|shape)"
+  [ "${T14B:-300}" != 0 ] && timeout ${T14B:-300} python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
+    --drafts none --depths 1024 --max_new_tokens 256 --seeds 3 --experts Q4_K --cells $OUT/e2e-q4k.jsonl 2>&1 | filt | tail -8 ;;
 10) # issue 7 (the 1K goal): Q8_0 projection tiles at the 30B shapes, fused q/k/v (N 5,120, K 2,048) and o (N 2,048,
     # K 4,096); in the model they run at ~1 TB/s. ops.bench's projection cells are unrolled since this commit
   SW='[{"proj":{"BN":16,"S":32}},{"proj":{"BN":8,"S":32}},{"proj":{"BN":32,"S":32}},{"proj":{"BN":16,"S":64}},
