@@ -57,10 +57,10 @@ def _grouped(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, E, 
   P = T * K
   NT, tile_e, row_tok, row_pair, n_used = tile_layout(ids_TK.astype(I32), E, M)
   n_real = n_used.reshape(1)
-  xv = qg.x_pieces(x_TD.astype(F32)[row_tok], gq)                                # [NT*M, lanes, nb*words]
+  xv = qg.x_operands(x_TD.astype(F32)[row_tok], gq)                          # 2 x [NT*M, lanes, nb*words]
   h = qg.gemm(xv, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
               interpret=interpret, cfg=cg)                                        # [NT*M, F]
-  y = qg.gemm(qg.x_pieces(h, dq), tile_e, n_real, dplanes, qtype=dq, N=D, K=F, M=M, pair=False, interpret=interpret,
+  y = qg.gemm(qg.x_operands(h, dq), tile_e, n_real, dplanes, qtype=dq, N=D, K=F, M=M, pair=False, interpret=interpret,
               cfg=cd)                                                             # [NT*M, D]
   # rows of tiles past n_used were never written: the scatter drops them (their pair index is P)
   y_PD = jnp.zeros((P, D), F32).at[row_pair].set(y, unique_indices=True, mode="drop")

@@ -16,10 +16,11 @@ a block's value index into lane and word axes; `tests/test_kernels.py` checks th
 the dequantized weights.
 
 Precision: w (float32, from the integer codes and scales, as in the decode tiles) is split into hi = bf16(w) and
-lo = bf16(w - hi), x likewise (in the kernel too: XLA on a GPU drops a float32 -> bf16 -> float32 round trip as
-"excess precision", which zeroed lo when the split ran outside: 1.7e-3 error on the H200), and
-acc += xh.wh + xl.wh + xh.wl: three bf16 MMAs with
-float32 accumulation, ~16 significant bits per operand (relative error ~1e-5 per dot). The decode kernels use
+lo = bf16(w - hi) in the kernel; x likewise, once, by XLA (`split_bf16_xla`, rounding on the bits: XLA on a GPU
+drops a float32 -> bf16 -> float32 round trip as "excess precision", which zeroed lo once: 1.7e-3 error on the
+H200). Then acc += xh.wh, += xl.wh, += xh.wl: three bf16 MMAs, each accumulating into acc itself (the form
+Triton folds into the MMA: no second accumulator, no spills; `scripts/kernel_sass.py`), float32 accumulation,
+~16 significant bits per operand (relative error ~1e-5 per dot). The decode kernels use
 float32 FMAs instead. Prefill feeds the ring that every later step reads, plain and speculative alike, so this
 changes no greedy-exactness invariant.
 
@@ -88,9 +89,32 @@ def x_pieces(x2, qtype: str):
 
 
 def split_bf16(x):
-  """float32 x -> (hi, lo) bf16 with hi + lo = x to ~16 significant bits."""
+  """float32 x -> (hi, lo) bf16 with hi + lo = x to ~16 significant bits (inside a kernel)."""
   hi = x.astype(BF16)
   return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def split_bf16_xla(x):
+  """`split_bf16` for XLA, outside a kernel, bitwise the same: hi rounds x to bf16 to nearest-even on its bits
+  (an integer add and a mask), so no float32 -> bf16 -> float32 round trip exists for XLA on a GPU to drop as
+  "excess precision" (that zeroed lo once: 1.7e-3 error on the H200). hi is then exact in bf16."""
+  u = jax.lax.bitcast_convert_type(x, U32)
+  hi = jax.lax.bitcast_convert_type((u + jnp.uint32(0x7FFF) + ((u >> 16) & 1)) & jnp.uint32(0xFFFF0000), F32)
+  return hi.astype(BF16), (x - hi).astype(BF16)
+
+
+# The kernel's form (read at trace time; clear the jit caches after changing it), kept for in-process A/B runs:
+#   "presplit": x split into bf16 hi/lo once by XLA, each MMA accumulating into acc (the default);
+#   "v1": as shipped until 0550586: x split in every program, the three products summed before acc (a second
+#         accumulator: 255 registers and 0.2-2.4 KB of spills per thread on sm_90, `scripts/kernel_sass.py`).
+GEMM_FORM = "presplit"
+
+
+def x_operands(x2, qtype: str):
+  """The kernels' x operands for rows x2 [R, K]: `x_pieces` as bf16 (hi, lo), split once by XLA rather than in
+  each of the N / BN programs that read a row tile; under GEMM_FORM "v1" the float32 pieces (twice)."""
+  xp = x_pieces(x2, qtype)
+  return (xp, xp) if GEMM_FORM == "v1" else split_bf16_xla(xp)
 
 
 # ------------------------------------------------------------------------------------- values per type
@@ -210,15 +234,19 @@ assert set(VALUES) == set(PIECES)
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _dot3(xh, xl, w):
-  """x [M, k] (as bf16 hi/lo) . w [BN, k]^T -> [M, BN] float32: three bf16 MMAs."""
+def _dot3(acc, xh, xl, w):
+  """acc + x [M, k] (as bf16 hi/lo) . w [BN, k]^T -> [M, BN] float32: three bf16 MMAs into acc. Each product is
+  added to acc on its own (`acc + dot`), the form Triton folds into the MMA's accumulator operand; a sum of the
+  three products first would hold a second [M, BN] accumulator in registers and add it with FADDs."""
   wh, wl = split_bf16(w)
   dims = (((1,), (1,)), ((), ()))
   dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, preferred_element_type=F32)
-  return dot(xh, wh) + dot(xl, wh) + dot(xh, wl)
+  acc = acc + dot(xh, wh)
+  acc = acc + dot(xl, wh)
+  return acc + dot(xh, wl)
 
 
-def _kernel(te_ref, nt_ref, x_ref, tab_ref, *refs, qtype, names, N, M, BN, S, nb, pair):
+def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, BN, S, nb, pair, form):
   *w_refs, o_ref = refs
   n = len(names)
   Ws = [dict(zip(names, w_refs[i * n:(i + 1) * n])) for i in range(2 if pair else 1)]
@@ -238,9 +266,15 @@ def _kernel(te_ref, nt_ref, x_ref, tab_ref, *refs, qtype, names, N, M, BN, S, nb
                             tab_ref) for W in Ws]
       accs = list(accs)
       for pieces in zip(*gens):                      # the same lane of every weight (gate and up share x)
-        xh, xl = split_bf16(x_ref[pl.ds(r0, M), pieces[0][0], cols])
+        at = (pl.ds(r0, M), pieces[0][0], cols)
+        if form == "v1":                             # float32 x in xh_ref, split here; products summed first
+          xh, xl = split_bf16(xh_ref[at])
+          for i, (_, v) in enumerate(pieces):
+            accs[i] = accs[i] + _dot3(jnp.zeros_like(accs[i]), xh, xl, v.reshape(BN, S * nw))
+          continue
+        xh, xl = xh_ref[at], xl_ref[at]
         for i, (_, v) in enumerate(pieces):
-          accs[i] = accs[i] + _dot3(xh, xl, v.reshape(BN, S * nw))
+          accs[i] = _dot3(accs[i], xh, xl, v.reshape(BN, S * nw))
       return tuple(accs)
 
     accs = jax.lax.fori_loop(0, nb // S, step, tuple(jnp.zeros((M, BN), F32) for _ in Ws))
@@ -280,22 +314,24 @@ def supported(w) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("qtype", "N", "K", "M", "pair", "interpret", "cfg"))
 def gemm(x, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cfg):
-  """Row tiles of x ([NT * M, lanes, nb * words] float32, `x_pieces` of the rows) times their expert's W:
+  """Row tiles of x (`x_operands` of the rows: (hi, lo), each [NT * M, lanes, nb * words] bf16) times their
+  expert's W:
   y[j*M + m, n] = x[j*M + m] . W[tile_e[j], n] (pair: silu(x . G[e, n]) * (x . U[e, n]), `planes` holding G's
   planes then U's). planes: [E, N, nb, ...]. Tiles j >= n_tiles ([1] int32) are skipped (left unwritten).
   Returns [NT * M, N] float32."""
   c = dict(cfg)
   c["num_warps"] = max(c["num_warps"], M * c["BN"] // 1024)      # accumulators: <= 32 float32 per thread each
-  R = x.shape[0]
+  xh, xl = x
+  R = xh.shape[0]
   NT = R // M
   nb = K // quant.GGML_TYPES[qtype][0]
   kernel = functools.partial(_kernel, qtype=qtype, names=repack.plane_names(qtype), N=N, M=M, BN=c["BN"],
-                             S=c["S"], nb=nb, pair=pair)
+                             S=c["S"], nb=nb, pair=pair, form=GEMM_FORM)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((R, N), F32), grid=(pl.cdiv(N, c["BN"]), NT),
       compiler_params=compiler_params(c), interpret=interpret,
       name=f"qgemm_{'pair_' if pair else ''}{qtype.lower()}",
-  )(tile_e, n_tiles, x, table(qtype), *planes)
+  )(tile_e, n_tiles, xh, xl, table(qtype), *planes)
 
 
 DENSE_ROWS = 128     # M of a dense projection (read at trace time; each row tile dequantizes W once). H200, 30B
@@ -321,6 +357,6 @@ def qgemm_pallas(x, w, *, interpret: bool = False, overrides: dict | None = None
   x2 = jnp.pad(x2, ((0, NT * M - T), (0, 0)))
   nb = K // quant.GGML_TYPES[w.qtype][0]
   cfg = tuple(sorted(config(w.qtype, N, nb, overrides).items()))
-  y = gemm(x_pieces(x2, w.qtype), jnp.zeros((NT,), I32), jnp.full((1,), NT, I32), tuple(p[None] for p in w.planes),
+  y = gemm(x_operands(x2, w.qtype), jnp.zeros((NT,), I32), jnp.full((1,), NT, I32), tuple(p[None] for p in w.planes),
            qtype=w.qtype, N=N, K=K, M=M, pair=False, interpret=interpret, cfg=cfg)
   return y[:T].reshape(*lead, N)

@@ -190,6 +190,44 @@ def test_qgemm_interpret_matches_reference(qtype):
     assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
 
 
+def test_split_bf16_xla_is_bitwise_the_kernel_split():
+  """x's bf16 hi/lo split, done once by XLA (rounding on the bits), equals the kernels' own split bit for bit:
+  magnitudes over 60 decades, exact ties (low half 0x8000, odd and even hi), subnormals, zeros and signs."""
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal(1 << 16).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 30, 1 << 16).astype(np.float32)
+  u = rng.integers(0, 1 << 31, 4096, dtype=np.uint32)
+  ties = ((u & 0x7F7F0000) | 0x8000).view(np.float32)                     # exactly halfway between two bf16
+  special = np.array([0.0, -0.0, 1e-40, -3e-39, 1.0, -1.0, 3.3895314e38], np.float32)
+  x = jnp.asarray(np.concatenate([x, ties, -ties, special]))
+  for a, b in zip(qgemm_pallas.split_bf16(x), jax.jit(qgemm_pallas.split_bf16_xla)(x)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+@pytest.mark.parametrize("form", ["presplit", "v1"])
+def test_qgemm_forms_agree(form, monkeypatch):
+  """Both kernel forms of ops.qgemm_pallas (kept for in-process A/B runs on the GPU) against the reference, dense
+  and grouped: the split x operands and the accumulation order are all that differ."""
+  monkeypatch.setattr(qgemm_pallas, "GEMM_FORM", form)
+  jax.clear_caches()
+  try:
+    rng = _rng("forms", form)
+    w = QTensor.from_gguf(quant.random_blocks("Q4_K", (32, 512), rng), "Q4_K", 512)
+    x = jnp.asarray(rng.standard_normal((20, 512)).astype(np.float32))
+    y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
+    assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
+    E, F, D, K, T = 3, 256, 256, 2, 20
+    g, u = (QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng), "IQ3_S", D) for _ in range(2))
+    d = QTensor.from_gguf(quant.random_blocks("Q8_0", (E, D, F), rng), "Q8_0", F)
+    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
+    wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
+    xm = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+    ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, rows=16,
+                                               overrides={"gateup": dict(BN=64), "down": dict(BN=64)})
+    assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
+  finally:
+    jax.clear_caches()                     # the form is read at trace time: no cached trace outlives the test
+
+
 @pytest.mark.parametrize("gq,dq,T,E,K", [("IQ3_S", "Q4_K", 40, 8, 2), ("Q8_0", "Q6_K", 23, 5, 3),
                                          ("Q4_K", "IQ4_XS", 33, 6, 1)])
 def test_moe_grouped_interpret_matches_reference(gq, dq, T, E, K):

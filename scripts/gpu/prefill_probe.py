@@ -20,8 +20,8 @@ ap.add_argument("--tokens", type=int, default=1024)
 ap.add_argument("--repeats", type=int, default=3)
 ap.add_argument("--profile", default=None)
 ap.add_argument("--variants", default="default", help="';'-separated settings, each 'default' or "
-                "'dense=M,factor=F,attn=A' (ops.qgemm_pallas.DENSE_ROWS, ops.moe_grouped_pallas.ROWS_FACTOR, "
-                "ops.attention.PREFILL_GPU_IMPL: ref | pallas)")
+                "'dense=M,factor=F,attn=A,gemm=G' (ops.qgemm_pallas.DENSE_ROWS, ops.moe_grouped_pallas.ROWS_FACTOR, "
+                "ops.attention.PREFILL_GPU_IMPL: ref | pallas, ops.qgemm_pallas.GEMM_FORM: presplit | v1)")
 args = ap.parse_args(argv)
 
 from decode import bench, engine  # noqa: E402
@@ -31,12 +31,13 @@ from ops.qtensor import with_kernels  # noqa: E402
 model = bench._in_memory_model(args.preset, args.experts)
 model.params = with_kernels(model.params, "pallas" if jax.default_backend() != "cpu" else "interpret")
 prompt = [(7 * (i + 1)) % model.cfg.vocab_size for i in range(args.tokens)]
-DEFAULTS = qgemm_pallas.DENSE_ROWS, moe_grouped_pallas.ROWS_FACTOR, attention.PREFILL_GPU_IMPL
+DEFAULTS = qgemm_pallas.DENSE_ROWS, moe_grouped_pallas.ROWS_FACTOR, attention.PREFILL_GPU_IMPL, qgemm_pallas.GEMM_FORM
 for variant in args.variants.split(";"):
   kv = dict(p.split("=") for p in variant.split(",") if "=" in p)
   qgemm_pallas.DENSE_ROWS = int(kv.get("dense", DEFAULTS[0]))
   moe_grouped_pallas.ROWS_FACTOR = int(kv.get("factor", DEFAULTS[1]))
   attention.PREFILL_GPU_IMPL = kv.get("attn", DEFAULTS[2])
+  qgemm_pallas.GEMM_FORM = kv.get("gemm", DEFAULTS[3])
   jax.clear_caches()                     # the settings are read at trace time
   for c in (int(v) for v in args.chunks.split(",")):
     gen = engine.GenConfig(max_new_tokens=1, kv="int8", kv_resident=4096, prefill_chunk=c)

@@ -19,6 +19,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--types", default=",".join(qgemm_pallas.PIECES))
 ap.add_argument("--iters", type=int, default=20)
 ap.add_argument("--tiles", default="", help="extra qgemm overrides to time, e.g. 'BN=128,S=4;BN=32'")
+ap.add_argument("--forms", default="presplit", help="ops.qgemm_pallas.GEMM_FORM values to check and time, "
+                "interleaved per type ('presplit,v1,presplit,v1': the A/B in one process)")
 ap.add_argument("--small", action="store_true", help="CPU dry run: interpret mode, small shapes")
 args = ap.parse_args()
 INTERP = jax.default_backend() == "cpu"
@@ -46,6 +48,27 @@ def qt(qtype, shape):
 
 
 ref_mm = jax.jit(lambda x, w: jnp.einsum("tk,nk->tn", x, w.dense(jnp.float32), precision="highest"))
+
+forms = args.forms.split(",")
+if len(forms) > 1:    # the kernel forms A/B alone: dense projection and one 30B expert layer at T = 1,024, interleaved
+  E, F, D, K, T = 128 // SZ, 768, 2048, 8, 1024 // SZ
+  for qtype in args.types.split(","):
+    w = qt(qtype, (5120 // SZ, 2048))
+    x = jnp.asarray(rng.standard_normal((T, 2048)), jnp.float32)
+    g, u, d = qt(qtype, (E, F, D)), qt(qtype, (E, F, D)), qt(qtype, (E, D, F))
+    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    wt = jnp.asarray(rng.random((T, K)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+      r = jax.jit(moe_ops.moe_ref)(x, ids, wt, g, u, d)
+    for form in forms:
+      qgemm_pallas.GEMM_FORM = form
+      jax.clear_caches()                 # read at trace time
+      f = jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, interpret=INTERP))
+      fm = jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP))
+      e1, e2 = rel(f(x, w), ref_mm(x, w)), rel(fm(x, ids, wt, g, u, d), r)
+      print(f"form {form} {qtype}: dense N=5120 K=2048 T={T} {timeit(f, x, w):.3f} ms (rel L2 {e1:.2e}); "
+            f"expert layer {timeit(fm, x, ids, wt, g, u, d):.3f} ms (rel L2 {e2:.2e})", flush=True)
+  raise SystemExit(0)
 for qtype in args.types.split(","):
   w = qt(qtype, (5120 // SZ, 2048))
   for T in (100, 1024 // SZ):

@@ -1,0 +1,129 @@
+"""Static facts of the Pallas GPU kernels without a GPU: registers, spills, shared memory and SASS instruction
+mix for sm_90, from the Triton IR that Pallas emits on this CPU-only jaxlib.
+
+Two steps, two Python environments (jaxlib does not ship Triton's Python compiler; the pip `triton` wheel does,
+with ptxas and cuobjdump inside it):
+
+  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped] [--form v1]   # project venv: DIR/<kernel>.ttir
+  TRITON_ALWAYS_COMPILE=1 /path/to/venv-with-triton/bin/python scripts/kernel_sass.py compile DIR
+
+`compile` runs Triton's TTIR passes first (XLA runs the same pipeline on a GPU: canonicalize, combine, ...), then
+the sm_90 pipeline, and prints one line per kernel. What it cannot show: time. A spill, a second accumulator or a
+missing MMA fold shows here; whether a kernel is faster is a GPU measurement (docs/PERF.md).
+Used for the prefill GEMM's accumulator fold (docs/PERF.md "Prefill"); a dev tool, not run by the tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+# --------------------------------------------------------------------------------------- dump (project venv)
+
+
+def _cases(names):
+  import jax
+  import jax.numpy as jnp
+  from ops import moe_grouped_pallas, qgemm_pallas
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  from test_lowering import _abstract_qtensor  # noqa: E402  (the abstract planes the lowering tests use)
+  x = jax.ShapeDtypeStruct((1024, 2048), jnp.float32)
+  if "qgemm" in names:
+    for q in ("Q8_0", "IQ3_S", "Q4_K"):
+      yield f"qgemm_{q}", (lambda x, w: qgemm_pallas.qgemm_pallas(x, w)), (x, _abstract_qtensor(q, (5120, 2048)))
+  if "grouped" in names:
+    ids = jax.ShapeDtypeStruct((1024, 8), jnp.int32)
+    wk = jax.ShapeDtypeStruct((1024, 8), jnp.float32)
+    for q in ("IQ3_S", "Q4_K"):
+      g, d = _abstract_qtensor(q, (128, 768, 2048)), _abstract_qtensor(q, (128, 2048, 768))
+      yield (f"grouped_{q}", lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
+             (x, ids, wk, g, g, d))
+
+
+def dump(out_dir, names):
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  from test_lowering import _lower
+  os.makedirs(out_dir, exist_ok=True)
+  captured = []
+  orig = reg.lowering.lower_jaxpr_to_triton_module
+
+  def capture(*a, **k):
+    r = orig(*a, **k)
+    captured.append(r.module.operation.get_asm())
+    return r
+
+  reg.lowering.lower_jaxpr_to_triton_module = capture
+  if "--form" in sys.argv:
+    from ops import qgemm_pallas
+    qgemm_pallas.GEMM_FORM = sys.argv[sys.argv.index("--form") + 1]
+  for case, fn, args in _cases(names):
+    captured.clear()
+    txt = _lower("cuda", fn, *args)
+    cfgs = re.findall(r"name = \"(\w+)\", num_stages = (\d+) : i32, num_warps = (\d+) : i32", txt)
+    assert len(cfgs) == len(captured), (case, len(cfgs), len(captured))
+    for (kname, stages, warps), ttir in zip(cfgs, captured):
+      base = os.path.join(out_dir, f"{case}.{kname}")
+      with open(base + ".ttir", "w") as f:
+        f.write(ttir)
+      with open(base + ".json", "w") as f:
+        json.dump(dict(num_warps=int(warps), num_stages=int(stages)), f)
+      print(f"dumped {base}.ttir (warps {warps}, stages {stages})")
+
+
+# ------------------------------------------------------------------------------------ compile (triton venv)
+
+
+def compile_dir(in_dir):
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.backends.nvidia.compiler import CUDABackend
+  orig = CUDABackend.add_stages
+
+  def add_stages(self, stages, options, language):     # an IR source skips its own stage: keep the TTIR passes
+    orig(self, stages, options, language)
+    items = list(stages.items())
+    stages.clear()
+    stages["ttir"] = lambda src, md: src
+    for k, v in items:
+      stages["ttir_passes" if k == "ttir" else k] = v
+
+  CUDABackend.add_stages = add_stages
+  bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+  for name in sorted(f for f in os.listdir(in_dir) if f.endswith(".ttir")):
+    path = os.path.join(in_dir, name)
+    with open(path[:-5] + ".json") as f:
+      opts = json.load(f)
+    k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.TemporaryDirectory() as tmp:
+      cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+      open(cubin, "wb").write(k.asm["cubin"])
+      open(ptx, "w").write(k.asm["ptx"])
+      sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
+                            text=True).stdout
+      info = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
+                            capture_output=True, text=True).stderr
+    with open(path[:-5] + ".sass", "w") as f:
+      f.write(sass)
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    ops = Counter(o.split(".")[0] for o in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass))
+    top = ", ".join(f"{o} {n}" for o, n in ops.most_common(8))
+    print(f"{name[:-5]}: warps {opts['num_warps']}, regs {regs and regs.group(1)}, spill st/ld "
+          f"{spill and spill.group(1)}/{spill and spill.group(2)} B, smem {k.metadata.shared} B, SASS "
+          f"{sum(ops.values())} (MMA {ops['HGMMA'] + ops['HMMA'] + ops['IMMA']}; {top})")
+
+
+if __name__ == "__main__":
+  if len(sys.argv) < 3 or sys.argv[1] not in ("dump", "compile"):
+    sys.exit(__doc__)
+  if sys.argv[1] == "dump":
+    cases = sys.argv[sys.argv.index("--cases") + 1] if "--cases" in sys.argv else "qgemm,grouped"
+    dump(sys.argv[2], cases.split(","))
+  else:
+    compile_dir(sys.argv[2])
