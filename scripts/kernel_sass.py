@@ -4,7 +4,7 @@ mix for sm_90, from the Triton IR that Pallas emits on this CPU-only jaxlib.
 Two steps, two Python environments (jaxlib does not ship Triton's Python compiler; the pip `triton` wheel does,
 with ptxas and cuobjdump inside it):
 
-  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped] [--form v1]   # project venv: DIR/<kernel>.ttir
+  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention] [--form v1]   # project venv: DIR/<kernel>.ttir
   TRITON_ALWAYS_COMPILE=1 /path/to/venv-with-triton/bin/python scripts/kernel_sass.py compile DIR
 
 `compile` runs Triton's TTIR passes first (XLA runs the same pipeline on a GPU: canonicalize, combine, ...), then
@@ -14,6 +14,7 @@ Used for the prefill GEMM's accumulator fold (docs/PERF.md "Prefill"); a dev too
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -35,6 +36,28 @@ def _cases(names):
   if "qgemm" in names:
     for q in ("Q8_0", "IQ3_S", "Q4_K"):
       yield f"qgemm_{q}", (lambda x, w: qgemm_pallas.qgemm_pallas(x, w)), (x, _abstract_qtensor(q, (5120, 2048)))
+  if "decode" in names:                         # the decode kernels at B = 1 and a verify pass's B = 4
+    from ops import moe_pallas, qmatmul_pallas
+    for q in ("IQ3_S", "Q4_K", "Q8_0"):
+      for B in (1, 4):
+        xb = jax.ShapeDtypeStruct((B, 2048), jnp.float32)
+        yield f"qmatmul_{q}_B{B}", (lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w)), (xb, _abstract_qtensor(q, (5120, 2048)))
+    for q in ("IQ3_S", "Q4_K"):
+      g, d = _abstract_qtensor(q, (128, 768, 2048)), _abstract_qtensor(q, (128, 2048, 768))
+      for B in (1, 4):
+        xb = jax.ShapeDtypeStruct((B, 2048), jnp.float32)
+        ib, wb = jax.ShapeDtypeStruct((B, 8), jnp.int32), jax.ShapeDtypeStruct((B, 8), jnp.float32)
+        yield f"moe_{q}_B{B}", (lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d)), (xb, ib, wb, g, g, d)
+  if "attention" in names:                      # the 30B layer (Hq 32, Hkv 4, Dh 128), int8 K/V
+    from ops import attention_pallas, prefill_attention_pallas
+    S = jax.ShapeDtypeStruct
+    kv, sc = S((4, 32768, 4, 128), jnp.int8), S((4, 32768, 4), jnp.float32)
+    for T in (1, 4):
+      yield (f"decode_attention_T{T}", functools.partial(attention_pallas.ring_attention_pallas, block=256, scale=0.088),
+             (S((T, 32, 128), jnp.float32), kv, kv, sc, sc, S((T,), jnp.int32), S((), jnp.int32), S((), jnp.int32)))
+    k1, s1 = S((4096, 4, 128), jnp.int8), S((4096, 4), jnp.float32)
+    yield ("prefill_attention", functools.partial(prefill_attention_pallas.prefill_attention_pallas, block=256, scale=0.088),
+           (S((1024, 32, 128), jnp.float32), k1, k1, s1, s1, S((1024,), jnp.int32), S((), jnp.int32)))
   if "grouped" in names:
     ids = jax.ShapeDtypeStruct((1024, 8), jnp.int32)
     wk = jax.ShapeDtypeStruct((1024, 8), jnp.float32)

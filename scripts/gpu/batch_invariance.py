@@ -26,6 +26,8 @@ ap.add_argument("--preset", default="seed-mtp")
 ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--T", type=int, default=4)
 ap.add_argument("--glue", default="on,off", help="model.transformer.GLUE_KERNELS settings of the trunk check")
+ap.add_argument("--proj_types", default="Q8_0", help="projection types of the qmatmul rows (Q4_K, IQ3_S, Q6_K: "
+                "ops.qmatmul_pallas.config shrinks S with the batch for these, 8 -> 4 at T = 4)")
 a = ap.parse_args()
 cpu = jax.default_backend() == "cpu"
 kern = "interpret" if cpu else "pallas"
@@ -57,10 +59,11 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
   rkw = dict(routing=cfg.routing, top_k=cfg.top_k, norm_topk=cfg.norm_topk, routed_scale=cfg.routed_scale)
   report("route_pallas: weights", lambda x: router_pallas.route_pallas(x, wr, bias, interpret=cpu, **rkw)[1], x)
   report("route_pallas: ids", lambda x: router_pallas.route_pallas(x, wr, bias, interpret=cpu, **rkw)[0], x)
-  for N, K in ((cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim, D), (D, cfg.n_heads * cfg.head_dim)):
-    w = QTensor.from_gguf(quant.random_blocks("Q8_0", (N, K), rng, scale=1e-2), "Q8_0", K).replace(kernel=kern)
-    xx = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
-    report(f"qmatmul_pallas Q8_0 N {N} K {K}", lambda x: qmatmul_pallas.qmatmul_pallas(x, w, interpret=cpu), xx)
+  for pq in a.proj_types.split(","):
+    for N, K in ((cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim, D), (D, cfg.n_heads * cfg.head_dim)):
+      w = QTensor.from_gguf(quant.random_blocks(pq, (N, K), rng, scale=1e-2), pq, K).replace(kernel=kern)
+      xx = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
+      report(f"qmatmul_pallas {pq} N {N} K {K}", lambda x: qmatmul_pallas.qmatmul_pallas(x, w, interpret=cpu), xx)
   F = cfg.d_ff_expert
   g = QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng, scale=1e-2), "IQ3_S", D).replace(kernel=kern)
   dn = QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, D, F), rng, scale=1e-2), "IQ3_S", F).replace(kernel=kern)

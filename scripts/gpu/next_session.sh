@@ -5,7 +5,11 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-01 (ninth session), in priority order:
+# Still open after 2026-12-01 (tenth session, no device time left in it), in priority order:
+#   0. `PART=15`: the prefill GEMM's new form (95d0601) against v1 in one process; `PART=14`: gemm_paths.py (int8
+#      MMAs on Q8_0 codes against bf16 and the shipped GEMM) and the Q4_K 1K decode goal with 3 seeds;
+#      `PART=13 PT13=Q8_0,Q4_K,IQ3_S N13=20`: is a T = 4 verify pass bitwise the steps for K-quant / IQ projections?
+#      (ops.qmatmul_pallas.config shrinks S with the batch for them: S 8 at B = 1, 4 at B = 4.)
 #   1. Prefill (0.27-0.40x llama.cpp's ~11,300 tok/s; the Pallas prefill attention is the default since 4a2a563):
 #      `PROF11=1 C11=1024 PART=11` traces it (at 7808f73 the expert GEMMs were 71 % of kernel time); the lever is
 #      an int8 MMA path for the integer codes (Q8_0, IQ3_S grid values, K-quant codes, scales applied to the
@@ -102,8 +106,14 @@ case "${PART:-1}" in
 13) # DESIGN invariant 3 on the GPU: is a verify pass (T = 4) bitwise the plain steps it replaces, op by op and for
     # a 4-layer trunk? (seed4's replay arms accepted 5-19 % at ded51a0, 100 % at d45edc3)
   for p in ${P13:-seed-mtp qwen3moe-30b-a3b}; do
-    timeout ${T13:-150} python3 scripts/gpu/batch_invariance.py --preset $p --layers 4 2>&1 | grep -vE "^(W|I)[0-9]" | tail -12
+    timeout ${T13:-150} python3 scripts/gpu/batch_invariance.py --preset $p --layers 4 --proj_types ${PT13:-Q8_0} 2>&1 | grep -vE "^(W|I)[0-9]" | tail -${N13:-12}
   done ;;
+15) # issue 7 (prefill): the GEMM forms A/B, interleaved in one process (commit 95d0601: x split once by XLA, MMAs
+    # accumulating in place; statically no spills where v1 spilled 0.2-2.4 KB per thread), kernels then the 30B prefill
+  timeout ${T15A:-240} python3 scripts/gpu/qgemm_check.py --types ${TY15:-Q8_0,IQ3_S,Q4_K} --forms presplit,v1,presplit,v1 \
+    2>&1 | tee $OUT/forms.log | grep -E "^form"
+  timeout ${T15B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "gemm=v1;default;gemm=v1;default" \
+    2>&1 | filt | grep -E "^prefill" ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)
