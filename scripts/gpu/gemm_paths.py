@@ -18,7 +18,6 @@ Prints `check` lines (relative L2 against float64) and `time` lines (ms per call
 """
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import qgemm_pallas, quant
 from ops.qtensor import QTensor
+from timing import median_ms, rel_l2 as rel  # scripts/gpu/timing.py (the script's folder is on sys.path)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--iters", type=int, default=20)
@@ -43,18 +43,7 @@ DIMS_T = (((1,), (1,)), ((), ()))        # a [M, k] . b [BN, k]^T
 
 
 def timeit(f, *a):
-  jax.block_until_ready(f(*a))
-  ts = []
-  for _ in range(args.iters):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    ts.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(ts))
-
-
-def rel(y, r):
-  y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
-  return float(np.linalg.norm(y - r) / np.linalg.norm(r))
+  return median_ms(f, *a, iters=args.iters)
 
 
 def params(M, BN, warps, stages):
@@ -118,11 +107,6 @@ def quantize_x(x):
   return q.reshape(T, K), d.T
 
 
-def split_exact(x):
-  """float32 -> bf16 hi/lo without a float32 -> bf16 -> float32 round trip for XLA to drop: hi is x with its low 16
-  bits cleared (exact in bf16), lo = x - hi rounded."""
-  hi = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
-  return hi.astype(BF16), (x - hi).astype(BF16)
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -156,15 +140,15 @@ for v in args.variants.split(","):
     print(f"time cur: {t:.3f} ms ({flop / t / 1e9:.0f} TFLOP/s)", flush=True)
     fq = jax.jit(lambda x: quantize_x(x))
     print(f"time quantize_x (XLA, per call): {timeit(fq, x):.3f} ms", flush=True)
-    fs = jax.jit(split_exact)
-    print(f"time split_exact (XLA, per call): {timeit(fs, x):.3f} ms", flush=True)
+    fs = jax.jit(qgemm_pallas.split_bf16_xla)
+    print(f"time qgemm_pallas.split_bf16_xla (XLA, per call): {timeit(fs, x):.3f} ms", flush=True)
     continue
   for M, BN, warps, stages in tiles:
     tag = f"{v} M={M} BN={BN} w={warps} st={stages}"
     try:
       if v == "bf16":
         f = jax.jit(lambda x, w, M=M, BN=BN, wa=warps, st=stages:
-                    gemm_bf16(*split_exact(x), w, M=M, BN=BN, warps=wa, stages=st))
+                    gemm_bf16(*qgemm_pallas.split_bf16_xla(x), w, M=M, BN=BN, warps=wa, stages=st))
         a = (x, w_bf16)
       else:
         f = jax.jit(lambda x, wq, dw, M=M, BN=BN, wa=warps, st=stages, raw=(v == "int8raw"):

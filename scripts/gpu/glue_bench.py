@@ -17,6 +17,7 @@ import numpy as np
 
 from ops import rope_write_pallas as rw
 from ops import router_pallas as rp
+from timing import median_ms
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--T", default="1,4")
@@ -39,14 +40,7 @@ rng = np.random.default_rng(0)
 
 
 def timeit(f, *a):
-  out = f(*a)
-  jax.block_until_ready(out)
-  ts = []
-  for _ in range(args.iters):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    ts.append(time.perf_counter() - t)
-  return 1e6 * float(np.median(ts)) / L
+  return 1e3 * median_ms(f, *a, iters=args.iters) / L
 
 
 router = jnp.asarray(rng.standard_normal((E, D)) * 0.02, jnp.float32)

@@ -5,7 +5,6 @@ reference (float32 at HIGHEST), then timings against the paths they replace, one
 Prints `check ...` lines (relative L2 error) and `time ...` lines (ms per call, median of iters)."""
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import numpy as np
 from ops import moe as moe_ops
 from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul, quant
 from ops.qtensor import QTensor
+from timing import median_ms, rel_l2 as rel
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--types", default=",".join(qgemm_pallas.PIECES))
@@ -29,17 +29,7 @@ rng = np.random.default_rng(0)
 
 
 def timeit(f, *a):
-  jax.block_until_ready(f(*a))
-  ts = []
-  for _ in range(args.iters):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    ts.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(ts))
-
-
-def rel(y, r):
-  return float(jnp.linalg.norm(y - r) / jnp.linalg.norm(r))
+  return median_ms(f, *a, iters=args.iters)
 
 
 def qt(qtype, shape):
