@@ -290,16 +290,28 @@ def _pow2_floor(v: int) -> int:
 
 
 # Register budget: tokens x rows x values of one step's partial products per program (B=16 otherwise spills).
+# IQ3_S holds more per value (grid words, signs): its S = 4 tile at B = 4 spills 504 B per thread on sm_90 (255
+# registers), S = 2 holds 128 (`scripts/kernel_sass.py`, PERF "Prefill"), hence half the budget.
 STEP_BUDGET = 65536
+STEP_BUDGET_OF = {"IQ3_S": 32768}
+
+# Batch invariance (DESIGN invariant 3): a verify pass of k + 1 tokens must compute each of its rows exactly as a
+# one-token step does. A row's partial sums are grouped by the tile (BN, S) and the tile shrinks with the batch, so
+# every batch up to INVARIANT_B takes the tiles of INVARIANT_B: 4 covers k <= 3 (the default k and the seed's). A
+# longer verify pass may take smaller tiles than the steps, and its rows may then differ in the last bits on the
+# GPU (the engine logs a warning for such k). Q8_0 keeps its B = 1 tiles up to B = 4 (S = 32 either way).
+INVARIANT_B = 4
 
 
 def config(qtype: str, rows: int, nb: int, overrides: dict | None = None, batch: int = 1) -> dict:
   """Tile sizes for `rows` output rows, `nb` blocks per row and `batch` tokens: TUNING[qtype] (+ overrides),
-  clipped to the problem and, for larger batches, shrunk (BN to 16, then S) to STEP_BUDGET."""
+  clipped to the problem and, for larger batches, shrunk (BN to 16, then S) to the type's step budget. The matmul
+  asks for its batch but at least INVARIANT_B; the MoE kernels run one token per program (batch 1)."""
   c = dict(TUNING[qtype], **(overrides or {}))
   c["BN"] = min(_pow2_floor(c["BN"]), max(16, 1 << (max(rows, 1) - 1).bit_length()))
   block = quant.GGML_TYPES[qtype][0]
-  while batch * c["BN"] * c["S"] * block > STEP_BUDGET and (c["BN"] > 16 or c["S"] > 1):
+  budget = STEP_BUDGET_OF.get(qtype, STEP_BUDGET)
+  while batch * c["BN"] * c["S"] * block > budget and (c["BN"] > 16 or c["S"] > 1):
     if c["BN"] > 16:
       c["BN"] //= 2
     else:
@@ -448,7 +460,7 @@ def qmatmul_pallas(x: jax.Array, w, *, layer=None, interpret: bool = False,
     raise ValueError(f"qmatmul_pallas: {w.qtype} {w.shape} with batch {x2.shape[0]}"
                      f"{'' if layer is None else ' and a layer index'} is not supported")
   nb = K // quant.GGML_TYPES[w.qtype][0]
-  cfg = config(w.qtype, N, nb, overrides, batch=x2.shape[0])
+  cfg = config(w.qtype, N, nb, overrides, batch=max(x2.shape[0], INVARIANT_B))
   y = _qmatmul(x2, layer, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret,
                cfg=tuple(sorted(cfg.items())))
   return y.reshape(*lead, N)

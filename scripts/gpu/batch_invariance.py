@@ -27,7 +27,7 @@ ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--T", type=int, default=4)
 ap.add_argument("--glue", default="on,off", help="model.transformer.GLUE_KERNELS settings of the trunk check")
 ap.add_argument("--proj_types", default="Q8_0", help="projection types of the qmatmul rows (Q4_K, IQ3_S, Q6_K: "
-                "ops.qmatmul_pallas.config shrinks S with the batch for these, 8 -> 4 at T = 4)")
+                "their tiles shrink with the batch above ops.qmatmul_pallas.INVARIANT_B)")
 a = ap.parse_args()
 cpu = jax.default_backend() == "cpu"
 kern = "interpret" if cpu else "pallas"

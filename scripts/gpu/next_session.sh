@@ -9,7 +9,8 @@
 #   0. `PART=15`: the prefill GEMM's new form (95d0601) against v1 in one process; `PART=14`: gemm_paths.py (int8
 #      MMAs on Q8_0 codes against bf16 and the shipped GEMM) and the Q4_K 1K decode goal with 3 seeds;
 #      `PART=13 PT13=Q8_0,Q4_K,IQ3_S N13=20`: is a T = 4 verify pass bitwise the steps for K-quant / IQ projections?
-#      (ops.qmatmul_pallas.config shrinks S with the batch for them: S 8 at B = 1, 4 at B = 4.)
+#      (their tiles shrank with the batch until the tenth session; now B <= qmatmul_pallas.INVARIANT_B share them;
+#      `--T 5` shows what a k = 4 pass does.)
 #   1. Prefill (0.27-0.40x llama.cpp's ~11,300 tok/s; the Pallas prefill attention is the default since 4a2a563):
 #      `PROF11=1 C11=1024 PART=11` traces it (at 7808f73 the expert GEMMs were 71 % of kernel time); the lever is
 #      an int8 MMA path for the integer codes (Q8_0, IQ3_S grid values, K-quant codes, scales applied to the
