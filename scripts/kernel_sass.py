@@ -139,7 +139,7 @@ def compile_dir(in_dir):
     top = ", ".join(f"{o} {n}" for o, n in ops.most_common(8))
     print(f"{name[:-5]}: warps {opts['num_warps']}, regs {regs and regs.group(1)}, spill st/ld "
           f"{spill and spill.group(1)}/{spill and spill.group(2)} B, smem {k.metadata.shared} B, SASS "
-          f"{sum(ops.values())} (MMA {ops['HGMMA'] + ops['HMMA'] + ops['IMMA']}; {top})")
+          f"{sum(ops.values())} (MMA {sum(ops[o] for o in ('HGMMA', 'HMMA', 'IGMMA', 'IMMA', 'QGMMA'))}; {top})")
 
 
 if __name__ == "__main__":
