@@ -22,6 +22,7 @@ from flax import struct
 from decode.sampling import sample
 from model import api
 from model.config import ModelConfig
+from ops import on_gpu
 
 
 class RequestError(ValueError):
@@ -133,10 +134,6 @@ KERNEL_PREFILL_CHUNK = 8      # on a GPU: the decode kernels' batch (attention k
 GEMM_PREFILL_CHUNK = 1024     # on a GPU without expert slots: full chunks through the tensor-core GEMMs
 
 
-def _on_gpu() -> bool:
-  return jax.default_backend() in ("gpu", "cuda", "rocm")
-
-
 def prefill_chunk(gen: GenConfig) -> int:
   """Tokens per prefill call: gen.prefill_chunk, else the backend's default.
 
@@ -149,7 +146,7 @@ def prefill_chunk(gen: GenConfig) -> int:
     if gen.prefill_chunk < 1:
       raise RequestError(f"prefill_chunk: {gen.prefill_chunk}, expected at least 1 token per call")
     return gen.prefill_chunk
-  if _on_gpu():
+  if on_gpu():
     return KERNEL_PREFILL_CHUNK if gen.expert_slots is not None else GEMM_PREFILL_CHUNK
   return PREFILL_CHUNK
 
@@ -158,7 +155,7 @@ def prefill_tail(chunk: int) -> int:
   """Tokens per call for what is left after the full chunks: KERNEL_PREFILL_CHUNK on a GPU (one small compile
   serves every remainder; a call of the remainder's own length would compile a graph per prompt length), the
   chunk itself elsewhere (the remainder in one call)."""
-  return min(chunk, KERNEL_PREFILL_CHUNK) if _on_gpu() else chunk
+  return min(chunk, KERNEL_PREFILL_CHUNK) if on_gpu() else chunk
 
 
 def prefill_chunked(params, prompt: list[int], state: api.ModelState, cfg: ModelConfig, chunk: int,

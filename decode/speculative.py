@@ -38,12 +38,12 @@ from absl import logging
 from flax import struct
 
 from decode import drafters
-from decode.engine import (GenConfig, GenResult, RequestError, _on_gpu, cache_counts, cache_stats, commit_for_store,
+from decode.engine import (GenConfig, GenResult, RequestError, cache_counts, cache_stats, commit_for_store,
                            request_params, start_request)
 from decode.sampling import sample, target_probs
 from model import api
 from model.config import ModelConfig
-from ops import qmatmul_pallas
+from ops import on_gpu, qmatmul_pallas
 
 
 @struct.dataclass
@@ -217,7 +217,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
     raise RequestError(f"--draft mtp: the model ({cfg.arch}) has no NextN block")
   if k < 1:
     raise RequestError(f"--mtp_draft: {k}, expected >= 1")
-  if k + 1 > qmatmul_pallas.INVARIANT_B and _on_gpu():
+  if k + 1 > qmatmul_pallas.INVARIANT_B and on_gpu():
     logging.warning("k = %d: a verify pass of %d tokens takes smaller quantized-matmul tiles than a one-token step "
                     "(ops.qmatmul_pallas.INVARIANT_B = %d), so on the GPU its logits may differ from the steps' in "
                     "the last bits and greedy tokens may deviate from plain decoding", k, k + 1,

@@ -1,6 +1,12 @@
 """ops/: kernels beside their jnp references: quant formats and repacked planes, quantized matmul and MoE for
 decode (Pallas Triton FMA kernels, with a stacked-layer entry) and for prefill (tensor-core GEMMs over
 dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), attention over the KV ring (decode: `attention_pallas`;
-prefill: `prefill_attention_pallas`, off by default until measured on a GPU), RoPE, RMSNorm, the
-per-token glue kernels of decode and verify passes (`rmsnorm_pallas`, `router_pallas`, `rope_write_pallas`:
-batch-invariant norms, routing and ring writes), and the kernel benchmarks (`bench`, `bench_attention`)."""
+prefill: `prefill_attention_pallas`, the GPU default since it was measured), RoPE, RMSNorm, the per-token glue
+kernels of decode and verify passes (`rmsnorm_pallas`, `router_pallas`, `rope_write_pallas`: batch-invariant
+norms, routing and ring writes), and the kernel benchmarks (`bench`, `bench_attention`)."""
+import jax
+
+
+def on_gpu() -> bool:
+  """Whether jax runs on a GPU backend (CUDA or ROCm): where the Pallas kernels compile rather than interpret."""
+  return jax.default_backend() in ("gpu", "cuda", "rocm")

@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ops import attention_pallas, prefill_attention_pallas
+from ops import attention_pallas, on_gpu, prefill_attention_pallas
 
 NEG_INF = -1e30
 IMPLS = ("ref", "pallas", "interpret")
@@ -158,7 +158,7 @@ def ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T,
 def default_impl(T: int) -> str:
   """On a GPU backend (CUDA or ROCm): DEFAULT_GPU_IMPL for decode/verify (T <= MAX_T), PREFILL_GPU_IMPL for
   prefill; elsewhere "ref". Read at trace time."""
-  if jax.default_backend() in ("gpu", "cuda", "rocm"):
+  if on_gpu():
     return DEFAULT_GPU_IMPL if T <= attention_pallas.MAX_T else PREFILL_GPU_IMPL
   return "ref"
 
