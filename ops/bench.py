@@ -52,7 +52,8 @@ D, F, E, TOPK, NPROJ = 2048, 768, 128, 8, 4096
 SWEEP_LAYERS = 16
 
 
-def _timeit(fn, *args, iters):
+def median_seconds(fn, *args, iters):
+  """Median seconds of `iters` calls of fn(*args), each waited for, after two untimed (compiling) calls."""
   import jax
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(fn(*args))
@@ -325,11 +326,11 @@ def main(argv):
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
       try:
-        t = _timeit(_step_fn("pallas", ov, FLAGS.layer_loop), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
+        t = median_seconds(_step_fn("pallas", ov, FLAGS.layer_loop), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
         rec.update(ms=t * 1e3, layers=SWEEP_LAYERS, GBps=_routed_bytes(ids[:SWEEP_LAYERS], per_expert) / t / 1e9)
         rec["pct_copy"] = 100 * rec["GBps"] / copy
         if "proj" in ov:
-          tp = _timeit(_proj_fn("pallas", ov["proj"]), x, wproj, iters=FLAGS.iters) / 16
+          tp = median_seconds(_proj_fn("pallas", ov["proj"]), x, wproj, iters=FLAGS.iters) / 16
           rec.update(proj_us=tp * 1e6, proj_GBps=proj_bytes / tp / 1e9)
       except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result too
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -353,14 +354,14 @@ def main(argv):
           rec = {"type": qn, "impl": impl, "B": B, "cell": part}
           try:
             if part == "b":
-              t = _timeit(_step_fn(impl, None, FLAGS.layer_loop), x, ids, w, layers, iters=FLAGS.iters)
+              t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids, w, layers, iters=FLAGS.iters)
               nbytes = _routed_bytes(ids, pe)
               rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
             else:
               n1 = min(8, L)
-              t = _timeit(_step_fn(impl, None, FLAGS.layer_loop), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
+              t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
               nbytes = _routed_bytes(ids[:1], pe)
-              tp = _timeit(_proj_fn(impl, None), x, wp, iters=FLAGS.iters) / 16
+              tp = median_seconds(_proj_fn(impl, None), x, wp, iters=FLAGS.iters) / 16
               pb = 2 * NPROJ * D if impl == "bf16" else proj_bytes
               rec.update(layer_us=t * 1e6, GBps=_routed_bytes(ids[:n1], pe) / n1 / t / 1e9,
                          proj_us=tp * 1e6, proj_GBps=pb / tp / 1e9)

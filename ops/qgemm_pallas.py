@@ -107,6 +107,7 @@ def split_bf16_xla(x):
 #   "presplit": x split into bf16 hi/lo once by XLA, each MMA accumulating into acc (the default);
 #   "v1": as shipped until 0550586: x split in every program, the three products summed before acc (a second
 #         accumulator: 255 registers and 0.2-2.4 KB of spills per thread on sm_90, `scripts/kernel_sass.py`).
+GEMM_FORMS = ("presplit", "v1")
 GEMM_FORM = "presplit"
 
 

@@ -85,6 +85,8 @@ def dump(out_dir, names):
   if "--form" in sys.argv:
     from ops import qgemm_pallas
     qgemm_pallas.GEMM_FORM = sys.argv[sys.argv.index("--form") + 1]
+    if qgemm_pallas.GEMM_FORM not in qgemm_pallas.GEMM_FORMS:
+      sys.exit(f"--form {qgemm_pallas.GEMM_FORM}: expected one of {', '.join(qgemm_pallas.GEMM_FORMS)}")
   for case, fn, args in _cases(names):
     captured.clear()
     txt = _lower("cuda", fn, *args)

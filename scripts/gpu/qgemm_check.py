@@ -40,6 +40,8 @@ def qt(qtype, shape):
 ref_mm = jax.jit(lambda x, w: jnp.einsum("tk,nk->tn", x, w.dense(jnp.float32), precision="highest"))
 
 forms = args.forms.split(",")
+if not set(forms) <= set(qgemm_pallas.GEMM_FORMS):
+  ap.error(f"--forms {args.forms}: expected a list of {', '.join(qgemm_pallas.GEMM_FORMS)}")
 if len(forms) > 1:    # the kernel forms A/B alone: dense projection and one 30B expert layer at T = 1,024, interleaved
   E, F, D, K, T = 128 // SZ, 768, 2048, 8, 1024 // SZ
   for qtype in args.types.split(","):

@@ -1,19 +1,13 @@
-"""Shared by the GPU probes in this folder: a compiled call's median wall time and a relative L2 error."""
-import time
-
-import jax
+"""Shared by the GPU probes in this folder: a compiled call's median wall time (ops.bench's timer) and a relative
+L2 error."""
 import numpy as np
+
+from ops.bench import median_seconds
 
 
 def median_ms(f, *a, iters: int = 20) -> float:
-  """Median milliseconds of `iters` calls of f(*a), each waited for, after one untimed (compiling) call."""
-  jax.block_until_ready(f(*a))
-  ts = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    ts.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(ts))
+  """Median milliseconds of `iters` calls of f(*a), each waited for, after the untimed (compiling) calls."""
+  return 1e3 * median_seconds(f, *a, iters=iters)
 
 
 def rel_l2(y, r) -> float:
