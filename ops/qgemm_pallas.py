@@ -106,8 +106,11 @@ def split_bf16_xla(x):
 # The kernel's form (read at trace time; clear the jit caches after changing it), kept for in-process A/B runs:
 #   "presplit": x split into bf16 hi/lo once by XLA, each MMA accumulating into acc (the default);
 #   "v1": as shipped until 0550586: x split in every program, the three products summed before acc (a second
-#         accumulator: 255 registers and 0.2-2.4 KB of spills per thread on sm_90, `scripts/kernel_sass.py`).
-GEMM_FORMS = ("presplit", "v1")
+#         accumulator: 255 registers and 0.2-2.4 KB of spills per thread on sm_90, `scripts/kernel_sass.py`);
+#   "x2": x rounded to bf16 (hi only), w split: acc += xh.wh + xh.wl, two MMAs (x's rounding: ~2e-3 per element,
+#         finer than llama.cpp's prefill, which quantizes x to 8 bits per 32 values);
+#   "x1": both rounded to bf16: acc += xh.wh, one MMA (~2e-3 relative error of a dot).
+GEMM_FORMS = ("presplit", "v1", "x2", "x1")
 GEMM_FORM = "presplit"
 
 
@@ -115,7 +118,10 @@ def x_operands(x2, qtype: str):
   """The kernels' x operands for rows x2 [R, K]: `x_pieces` as bf16 (hi, lo), split once by XLA rather than in
   each of the N / BN programs that read a row tile; under GEMM_FORM "v1" the float32 pieces (twice)."""
   xp = x_pieces(x2, qtype)
-  return (xp, xp) if GEMM_FORM == "v1" else split_bf16_xla(xp)
+  if GEMM_FORM == "v1":
+    return xp, xp
+  xh, xl = split_bf16_xla(xp)
+  return (xh, xh) if GEMM_FORM in ("x1", "x2") else (xh, xl)
 
 
 # ------------------------------------------------------------------------------------- values per type
@@ -235,15 +241,19 @@ assert set(VALUES) == set(PIECES)
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _dot3(acc, xh, xl, w):
-  """acc + x [M, k] (as bf16 hi/lo) . w [BN, k]^T -> [M, BN] float32: three bf16 MMAs into acc. Each product is
-  added to acc on its own (`acc + dot`), the form Triton folds into the MMA's accumulator operand; a sum of the
-  three products first would hold a second [M, BN] accumulator in registers and add it with FADDs."""
-  wh, wl = split_bf16(w)
+def _dot3(acc, xh, xl, w, form="presplit"):
+  """acc + x [M, k] (as bf16 hi/lo) . w [BN, k]^T -> [M, BN] float32: three bf16 MMAs into acc (fewer under the
+  forms "x2" and "x1", which drop x's lo, then w's). Each product is added to acc on its own (`acc + dot`), the
+  form Triton folds into the MMA's accumulator operand; a sum of the products first would hold a second [M, BN]
+  accumulator in registers and add it with FADDs."""
+  wh, wl = split_bf16(w) if form != "x1" else (w.astype(BF16), None)
   dims = (((1,), (1,)), ((), ()))
   dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, preferred_element_type=F32)
   acc = acc + dot(xh, wh)
-  acc = acc + dot(xl, wh)
+  if form == "x1":
+    return acc
+  if form != "x2":
+    acc = acc + dot(xl, wh)
   return acc + dot(xh, wl)
 
 
@@ -273,9 +283,10 @@ def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, 
           for i, (_, v) in enumerate(pieces):
             accs[i] = accs[i] + _dot3(jnp.zeros_like(accs[i]), xh, xl, v.reshape(BN, S * nw))
           continue
-        xh, xl = xh_ref[at], xl_ref[at]
+        xh = xh_ref[at]
+        xl = xl_ref[at] if form == "presplit" else None
         for i, (_, v) in enumerate(pieces):
-          accs[i] = _dot3(accs[i], xh, xl, v.reshape(BN, S * nw))
+          accs[i] = _dot3(accs[i], xh, xl, v.reshape(BN, S * nw), form)
       return tuple(accs)
 
     accs = jax.lax.fori_loop(0, nb // S, step, tuple(jnp.zeros((M, BN), F32) for _ in Ws))

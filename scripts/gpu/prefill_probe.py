@@ -21,7 +21,7 @@ ap.add_argument("--repeats", type=int, default=3)
 ap.add_argument("--profile", default=None)
 ap.add_argument("--variants", default="default", help="';'-separated settings, each 'default' or "
                 "'dense=M,factor=F,attn=A,gemm=G' (ops.qgemm_pallas.DENSE_ROWS, ops.moe_grouped_pallas.ROWS_FACTOR, "
-                "ops.attention.PREFILL_GPU_IMPL: ref | pallas, ops.qgemm_pallas.GEMM_FORM: presplit | v1)")
+                "ops.attention.PREFILL_GPU_IMPL: ref | pallas, ops.qgemm_pallas.GEMM_FORM: one of GEMM_FORMS)")
 args = ap.parse_args(argv)
 
 from decode import bench, engine  # noqa: E402
