@@ -122,8 +122,8 @@ case "${PART:-1}" in
   timeout ${T16B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "${V16:-default;gemm=x2;gemm=x1;default;gemm=x2;gemm=x1}" \
     ${PROF16:+--profile $OUT/trace} 2>&1 | filt | grep -E "^prefill"
   for c in $OUT/trace/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
-    [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --top 25 > $c.summary.txt 2>&1; rm -rf $c; done
-  head -40 $OUT/trace/*.summary.txt 2>/dev/null ;;
+    [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --top 25 --gaps ${GAP16:-30} > $c.summary.txt 2>&1; rm -rf $c; done
+  head -80 $OUT/trace/*.summary.txt 2>/dev/null ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)

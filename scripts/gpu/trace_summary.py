@@ -4,7 +4,9 @@
 
 Sums the durations of complete events ("X") on the device processes (process names with "GPU" or "/device:"),
 groups them by kernel name, and prints ms per step, share and launches per step; the last line compares the sum
-of kernel time with the trace's device span, so the gap (launch latency, host syncs) is visible too.
+of kernel time with the trace's device span, so the gap (launch latency, host syncs) is visible too. With
+--gaps US it then lists the device's idle stretches longer than US microseconds: their total, and the longest
+with the kernels before and after and the host events that span them (what the host was doing meanwhile).
 """
 import argparse
 import collections
@@ -15,6 +17,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("trace")
 ap.add_argument("--steps", type=int, default=1, help="decode steps in the traced run (per-step figures)")
 ap.add_argument("--top", type=int, default=25)
+ap.add_argument("--gaps", type=float, default=0, help="list device idle stretches longer than this (us)")
 a = ap.parse_args()
 d = json.load(gzip.open(a.trace) if a.trace.endswith(".gz") else open(a.trace))
 ev = d["traceEvents"] if isinstance(d, dict) else d
@@ -34,3 +37,18 @@ for name, us in tot.most_common(a.top):
   print(f"| {name[:70]} | {us / 1e3 / a.steps:.3f} | {100 * us / busy:.1f} % | {cnt[name] / a.steps:.0f} |")
 print(f"\nkernel time {busy / 1e3 / a.steps:.3f} ms/step over a device span of {span / 1e3 / a.steps:.3f} ms/step "
       f"({len(ks) / a.steps:.0f} launches/step)")
+
+if a.gaps:
+  iv = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ks)
+  gaps, end, last = [], iv[0][1], iv[0][2]
+  for t0, t1, name in iv[1:]:
+    if t0 - end > a.gaps:
+      gaps.append((t0 - end, end, t0, last, name))
+    if t1 > end:
+      end, last = t1, name
+  host = [e for e in ev if e.get("ph") == "X" and e.get("pid") not in dev and "dur" in e]
+  print(f"\n{len(gaps)} device idle stretches > {a.gaps:g} us: {sum(g[0] for g in gaps) / 1e3:.3f} ms in all")
+  for g, t0, t1, before, after in sorted(gaps, reverse=True)[:a.top]:
+    over = sorted((h for h in host if h["ts"] <= t0 and h["ts"] + h["dur"] >= t1), key=lambda h: h["dur"])
+    print(f"  {g / 1e3:.3f} ms after {before[:40]} before {after[:40]}; host: "
+          + " < ".join(h["name"][:50] for h in over[:3]))
