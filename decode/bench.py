@@ -61,6 +61,9 @@ flags.DEFINE_bool("host_skip_idle", True, "host tier (max_context > ring): run t
                   "lax.cond per pass while no position has left the ring (decode.host_tier.SKIP_IDLE_TIER)")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's: 1,024 on "
                      "a GPU, 8 with expert slots, 2,048 on CPU)")
+flags.DEFINE_enum("prefill_precision", "auto", ["auto", "f32", "bf16"],
+                  "the prefill GEMMs' operands (ops.qgemm_pallas.GEMM_FORMS): f32 (three bf16 MMAs, float32-accurate), "
+                  "bf16 (one MMA, ~2e-3 per dot, finer than llama.cpp's 8-bit x), auto: bf16 on a GPU, f32 elsewhere")
 flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
                   "synthetic: a fixed arithmetic token pattern; text: the standard library's documentation topics "
                   "(pydoc_data), tokenized, from a seed-dependent offset (real text, for models that learned it)")
@@ -326,8 +329,9 @@ def main(argv):
     model = load_model(path)
   model.params = with_kernels(model.params, FLAGS.kernels)
   from decode import host_tier
-  from ops import attention_pallas
+  from ops import attention_pallas, qgemm_pallas
   host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle          # read at trace time
+  qgemm_pallas.set_precision(FLAGS.prefill_precision)       # read at trace time
   if FLAGS.attn_kernel:
     attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
   arms, bars = _arms()
@@ -357,6 +361,7 @@ def main(argv):
                "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
                "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
                "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
+               "prefill_gemm": qgemm_pallas.gemm_form(),
                "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0,
                "first_run_s": first_run[arm.name], "stats": st}

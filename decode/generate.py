@@ -35,6 +35,9 @@ flags.DEFINE_enum("draft", "auto", ["auto", "mtp", "lookup", "replay", "none"],
                   "drafter: auto = mtp when --mtp on and the model has NextN, else none; replay proposes the plain "
                   "greedy continuation (run first, untimed) to measure the mechanics at 100 % acceptance")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: 1,024 on a GPU, 8 with expert slots, 2,048 on CPU)")
+flags.DEFINE_enum("prefill_precision", "auto", ["auto", "f32", "bf16"],
+                  "the prefill GEMMs' operands: f32 (float32-accurate), bf16 (one MMA, ~2e-3 per dot; finer than "
+                  "llama.cpp's 8-bit x), auto: bf16 on a GPU, f32 elsewhere (ops.qgemm_pallas.GEMM_FORMS)")
 flags.DEFINE_bool("plan", False, "print the memory plan (kv_plan) before generating")
 flags.DEFINE_string("device_budget", None, "refuse plans over this many bytes of device memory (e.g. 24GiB)")
 flags.DEFINE_string("expert_cache", "all", "all (every expert resident), auto (device slots sized from the memory "
@@ -86,6 +89,8 @@ def run() -> dict:
       store = store_memory_kind()
     model = load_model(path, FLAGS.cache_dir, expert_store=store)
     model.params = with_kernels(model.params, _kernels())
+    from ops import qgemm_pallas
+    qgemm_pallas.set_precision(FLAGS.prefill_precision)     # read at trace time
     ids = _prompt_ids(model.tokenizer)
     kvr = None if FLAGS.kv_resident == "auto" else _int_flag("kv_resident", FLAGS.kv_resident)
     gen = GenConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
@@ -109,6 +114,7 @@ def run() -> dict:
       res = speculative_generate(model, ids, gen, drafter=drafter, k=FLAGS.mtp_draft, mtp_window=FLAGS.mtp_window,
                                  replay_ids=replay, eager=FLAGS.eager)
     res.stats["plan"] = plan.to_json()
+    res.stats["prefill_gemm"] = qgemm_pallas.gemm_form()
   except (GGUFError, RequestError, CLIError, ValueError) as e:
     print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
     sys.exit(1)

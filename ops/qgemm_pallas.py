@@ -15,7 +15,8 @@ per lane. x is laid out to match (`x_pieces`: [R, lanes, nb * words]), so lane l
 a block's value index into lane and word axes; `tests/test_kernels.py` checks the pieces against x_pieces of
 the dequantized weights.
 
-Precision: w (float32, from the integer codes and scales, as in the decode tiles) is split into hi = bf16(w) and
+Precision (the float32-accurate form "presplit"; GEMM_FORMS lists the others, and the GPU default is "x1", one
+bf16 MMA): w (float32, from the integer codes and scales, as in the decode tiles) is split into hi = bf16(w) and
 lo = bf16(w - hi) in the kernel; x likewise, once, by XLA (`split_bf16_xla`, rounding on the bits: XLA on a GPU
 drops a float32 -> bf16 -> float32 round trip as "excess precision", which zeroed lo once: 1.7e-3 error on the
 H200). Then acc += xh.wh, += xl.wh, += xh.wl: three bf16 MMAs, each accumulating into acc itself (the form
@@ -103,25 +104,49 @@ def split_bf16_xla(x):
   return hi.astype(BF16), (x - hi).astype(BF16)
 
 
-# The kernel's form (read at trace time; clear the jit caches after changing it), kept for in-process A/B runs:
-#   "presplit": x split into bf16 hi/lo once by XLA, each MMA accumulating into acc (the default);
+# The kernel's form (read at trace time; clear the jit caches after changing it):
+#   "presplit": x split into bf16 hi/lo once by XLA, w split in the kernel, three MMAs each accumulating into acc
+#         (~1e-5 relative error of a dot: float32-accurate, the CPU default and `--prefill_precision f32`);
+#   "x1": x and w each rounded to bf16, one MMA (~2e-3 relative error of a dot; `--prefill_precision bf16`, the
+#         GPU default). Finer than llama.cpp's own prefill GEMMs (MMQ), which quantize x to 8-bit integers per
+#         32 values (5e-3 on the same product: scripts/gpu/gemm_paths.py); 1.7x the speed of "presplit" on the
+#         30B prefill (PERF "Prefill");
+#   "x2": x rounded to bf16, w split: two MMAs (between the two in error and speed);
 #   "v1": as shipped until 0550586: x split in every program, the three products summed before acc (a second
-#         accumulator: 255 registers and 0.2-2.4 KB of spills per thread on sm_90, `scripts/kernel_sass.py`);
-#   "x2": x rounded to bf16 (hi only), w split: acc += xh.wh + xh.wl, two MMAs (x's rounding: ~2e-3 per element,
-#         finer than llama.cpp's prefill, which quantizes x to 8 bits per 32 values);
-#   "x1": both rounded to bf16: acc += xh.wh, one MMA (~2e-3 relative error of a dot).
+#         accumulator: 255 registers and 0.2-2.4 KB of spills per thread on sm_90, `scripts/kernel_sass.py`).
+# Prefill only: decode and verify passes (<= MAX_B rows) run the FMA kernels of ops/qmatmul_pallas in float32, so
+# no form touches the greedy-exactness invariants (a prompt's K/V are the same for every arm that prefills it).
 GEMM_FORMS = ("presplit", "v1", "x2", "x1")
-GEMM_FORM = "presplit"
+PRECISIONS = {"f32": "presplit", "bf16": "x1"}     # --prefill_precision -> form
+GEMM_FORM: str | None = None                       # None: "x1" on a GPU, "presplit" elsewhere
+
+
+def gemm_form() -> str:
+  """The form in force: GEMM_FORM, else the backend's default."""
+  if GEMM_FORM is not None:
+    return GEMM_FORM
+  from ops import on_gpu
+  return "x1" if on_gpu() else "presplit"
+
+
+def set_precision(precision: str) -> None:
+  """`--prefill_precision`: "auto" (the backend's default), "f32" or "bf16" (see GEMM_FORMS); read at trace time."""
+  global GEMM_FORM
+  if precision != "auto" and precision not in PRECISIONS:
+    raise ValueError(f"prefill_precision: {precision!r}, expected auto, {', '.join(PRECISIONS)}")
+  GEMM_FORM = None if precision == "auto" else PRECISIONS[precision]
 
 
 def x_operands(x2, qtype: str):
   """The kernels' x operands for rows x2 [R, K]: `x_pieces` as bf16 (hi, lo), split once by XLA rather than in
-  each of the N / BN programs that read a row tile; under GEMM_FORM "v1" the float32 pieces (twice)."""
+  each of the N / BN programs that read a row tile (x1, x2: hi twice); under the form "v1" the float32 pieces
+  (twice)."""
   xp = x_pieces(x2, qtype)
-  if GEMM_FORM == "v1":
+  form = gemm_form()
+  if form == "v1":
     return xp, xp
   xh, xl = split_bf16_xla(xp)
-  return (xh, xh) if GEMM_FORM in ("x1", "x2") else (xh, xl)
+  return (xh, xh) if form in ("x1", "x2") else (xh, xl)
 
 
 # ------------------------------------------------------------------------------------- values per type
@@ -338,7 +363,7 @@ def gemm(x, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cfg):
   NT = R // M
   nb = K // quant.GGML_TYPES[qtype][0]
   kernel = functools.partial(_kernel, qtype=qtype, names=repack.plane_names(qtype), N=N, M=M, BN=c["BN"],
-                             S=c["S"], nb=nb, pair=pair, form=GEMM_FORM)
+                             S=c["S"], nb=nb, pair=pair, form=gemm_form())
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((R, N), F32), grid=(pl.cdiv(N, c["BN"]), NT),
       compiler_params=compiler_params(c), interpret=interpret,

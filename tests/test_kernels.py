@@ -250,6 +250,49 @@ def test_qgemm_forms_agree(form, monkeypatch):
     jax.clear_caches()                     # the form is read at trace time: no cached trace outlives the test
 
 
+@pytest.mark.parametrize("form,qtype", [("x1", "Q4_K"), ("x1", "IQ3_S"), ("x2", "Q8_0"), ("x2", "Q6_K")])
+def test_qgemm_bf16_forms_are_their_rounded_products(form, qtype, monkeypatch):
+  """The faster prefill forms compute exactly the product of rounded operands: "x1" is bf16(x) . bf16(w) and
+  "x2" is bf16(x) . w, each accumulated in float32, so against a float32 reference on those rounded operands only
+  the summation order differs (1e-5); against the unrounded product they sit at bf16's ~2e-3, and the routed-
+  expert chain (two GEMMs, h rounded between them) within 1e-2 of the float32 reference."""
+  monkeypatch.setattr(qgemm_pallas, "GEMM_FORM", form)
+  jax.clear_caches()
+  try:
+    rng = _rng("bf16 forms", form, qtype)
+    w = QTensor.from_gguf(quant.random_blocks(qtype, (32, 512), rng), qtype, 512)
+    x = jnp.asarray(rng.standard_normal((20, 512)).astype(np.float32))
+    y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
+    rnd = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)                               # noqa: E731
+    wd = w.dense(jnp.float32)
+    ref = jnp.einsum("tk,nk->tn", rnd(x), rnd(wd) if form == "x1" else wd, precision="highest")
+    assert _relerr(y, ref) < TOL_MATMUL
+    full = _relerr(y, qmatmul.qmatmul_ref(x, w))
+    assert 1e-4 < full < 5e-3, full                        # rounded, and by no more than bf16's half ulp allows
+    E, F, D, K, T = 3, 256, 256, 2, 20
+    g, u, d = (QTensor.from_gguf(quant.random_blocks(qtype, shp, rng), qtype, shp[-1]) for shp in ((E, F, D),) * 2 + ((E, D, F),))
+    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
+    wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
+    xm = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+    ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, rows=16,
+                                               overrides={"gateup": dict(BN=64), "down": dict(BN=64)})
+    assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < 1e-2
+  finally:
+    jax.clear_caches()
+
+
+def test_prefill_precision_picks_the_form(monkeypatch):
+  """--prefill_precision: auto is float32-accurate off the GPU (the CPU tests' interpret runs) and one bf16 MMA
+  on it; f32 and bf16 force a form; anything else is a one-line error naming the flag."""
+  monkeypatch.setattr(qgemm_pallas, "GEMM_FORM", None)
+  assert qgemm_pallas.gemm_form() == "presplit"                # this CPU
+  for p, f in (("bf16", "x1"), ("f32", "presplit"), ("auto", None)):
+    qgemm_pallas.set_precision(p)
+    assert qgemm_pallas.GEMM_FORM == f
+  with pytest.raises(ValueError, match="prefill_precision: 'fp8'"):
+    qgemm_pallas.set_precision("fp8")
+
+
 @pytest.mark.parametrize("gq,dq,T,E,K", [("IQ3_S", "Q4_K", 40, 8, 2), ("Q8_0", "Q6_K", 23, 5, 3),
                                          ("Q4_K", "IQ4_XS", 33, 6, 1)])
 def test_moe_grouped_interpret_matches_reference(gq, dq, T, E, K):

@@ -115,15 +115,19 @@ case "${PART:-1}" in
     2>&1 | tee $OUT/forms.log | grep -E "^form"
   timeout ${T15B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "gemm=v1;default;gemm=v1;default" \
     2>&1 | filt | grep -E "^prefill" ;;
-16) # issue 7 (prefill): fewer MMAs per product (qgemm_pallas.GEMM_FORM x2: x in bf16, w split; x1: both in bf16)
-    # against the float32-accurate presplit, kernels then the 30B prefill, interleaved; PROF16=1 traces the default
+16) # issue 7 (prefill): fewer MMAs per product (qgemm_pallas.GEMM_FORM x2: x in bf16, w split; x1: both in bf16,
+    # the GPU default since the eleventh session) against the float32-accurate presplit, kernels then the 30B prefill
+    # (start_request whole and the prompt's calls alone), interleaved; PROF16=1 traces each (GAP16: idle stretches);
+    # then the end-to-end cells at 1K for both expert types (E16=0 skips them)
   timeout ${T16A:-200} python3 scripts/gpu/qgemm_check.py --types ${TY16:-Q8_0,IQ3_S,Q4_K} --forms presplit,x2,x1,presplit,x2,x1 \
     2>&1 | tee $OUT/forms.log | grep -E "^form"
-  timeout ${T16B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "${V16:-default;gemm=x2;gemm=x1;default;gemm=x2;gemm=x1}" \
+  timeout ${T16B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "${V16:-gemm=presplit;default;gemm=x2;gemm=presplit;default}" \
     ${PROF16:+--profile $OUT/trace} 2>&1 | filt | grep -E "^prefill"
   for c in $OUT/trace/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --top 25 --gaps ${GAP16:-30} > $c.summary.txt 2>&1; rm -rf $c; done
-  head -80 $OUT/trace/*.summary.txt 2>/dev/null ;;
+  head -80 $OUT/trace/*.summary.txt 2>/dev/null
+  [ "${E16:-1}" != 0 ] && for x in IQ3_S Q4_K; do timeout 200 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory \
+    --kernels pallas --drafts none --depths 1024 --max_new_tokens 256 --seeds 3 --experts $x --cells $OUT/e2e.jsonl 2>&1 | filt | tail -3; done ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)

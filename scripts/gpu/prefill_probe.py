@@ -39,7 +39,7 @@ for variant in args.variants.split(";"):
   moe_grouped_pallas.ROWS_FACTOR = int(kv.get("factor", DEFAULTS[1]))
   attention.PREFILL_GPU_IMPL = kv.get("attn", DEFAULTS[2])
   qgemm_pallas.GEMM_FORM = kv.get("gemm", DEFAULTS[3])
-  if qgemm_pallas.GEMM_FORM not in qgemm_pallas.GEMM_FORMS:
+  if qgemm_pallas.GEMM_FORM not in (None, *qgemm_pallas.GEMM_FORMS):
     ap.error(f"--variants {variant!r}: gemm={qgemm_pallas.GEMM_FORM}, expected one of {', '.join(qgemm_pallas.GEMM_FORMS)}")
   jax.clear_caches()                     # the settings are read at trace time
   for c in (int(v) for v in args.chunks.split(",")):
