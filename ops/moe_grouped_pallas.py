@@ -57,7 +57,10 @@ def _grouped(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, E, 
   P = T * K
   NT, tile_e, row_tok, row_pair, n_used = tile_layout(ids_TK.astype(I32), E, M)
   n_real = n_used.reshape(1)
-  xv = qg.x_operands(x_TD.astype(F32)[row_tok], gq)                          # 2 x [NT*M, lanes, nb*words]
+  # x's pieces once per token, then gathered per routed pair: the piece layout is a permutation of each row, so it
+  # commutes with the row gather, and permuting T rows instead of T * K gathered ones is K times less transposing
+  xo = qg.x_operands(x_TD.astype(F32), gq)                                   # 2 x [T, lanes, nb*words]
+  xv = (xo[0][row_tok],) * 2 if xo[0] is xo[1] else tuple(a[row_tok] for a in xo)   # 2 x [NT*M, lanes, nb*words]
   h = qg.gemm(xv, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
               interpret=interpret, cfg=cg)                                        # [NT*M, F]
   y = qg.gemm(qg.x_operands(h, dq), tile_e, n_real, dplanes, qtype=dq, N=D, K=F, M=M, pair=False, interpret=interpret,
