@@ -119,7 +119,7 @@ case "${PART:-1}" in
     # the GPU default since the eleventh session) against the float32-accurate presplit, kernels then the 30B prefill
     # (start_request whole and the prompt's calls alone), interleaved; PROF16=1 traces each (GAP16: idle stretches);
     # then the end-to-end cells at 1K for both expert types (E16=0 skips them)
-  timeout ${T16A:-200} python3 scripts/gpu/qgemm_check.py --types ${TY16:-Q8_0,IQ3_S,Q4_K} --forms presplit,x2,x1,presplit,x2,x1 \
+  [ "${T16A:-200}" != 0 ] && timeout ${T16A:-200} python3 scripts/gpu/qgemm_check.py --types ${TY16:-Q8_0,IQ3_S,Q4_K} --forms presplit,x2,x1,presplit,x2,x1 \
     2>&1 | tee $OUT/forms.log | grep -E "^form"
   timeout ${T16B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "${V16:-gemm=presplit;default;gemm=x2;gemm=presplit;default}" \
     ${PROF16:+--profile $OUT/trace} 2>&1 | filt | grep -E "^prefill"
