@@ -68,9 +68,18 @@ def test_moe_stacked_and_split_k_lower(platform):
   assert txt.count("__gpu$xla.gpu.triton") == 2
 
 
+@pytest.fixture(params=["presplit", "x1"])
+def gemm_form(request, monkeypatch):
+  """The prefill GEMM's float32-accurate form (the CPU default) and the one-MMA form a GPU takes by default."""
+  monkeypatch.setattr(qgemm_pallas, "GEMM_FORM", request.param)
+  jax.clear_caches()                     # read at trace time: no trace of the other form may be reused
+  yield request.param
+  jax.clear_caches()
+
+
 @pytest.mark.parametrize("platform", list(DEVICES))
 @pytest.mark.parametrize("qtype", qmatmul_pallas.KERNEL_TYPES)
-def test_qgemm_lowers(qtype, platform):
+def test_qgemm_lowers(qtype, platform, gemm_form):
   """The tensor-core GEMM for prefill rows (bf16 dots of dequantized pieces) lowers for both GPU platforms."""
   w = _abstract_qtensor(qtype, (5120, 2048))
   x = jax.ShapeDtypeStruct((100, 2048), jnp.float32)
@@ -80,7 +89,7 @@ def test_qgemm_lowers(qtype, platform):
 
 @pytest.mark.parametrize("platform", list(DEVICES))
 @pytest.mark.parametrize("gq,dq", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS")])
-def test_moe_grouped_lowers(gq, dq, platform):
+def test_moe_grouped_lowers(gq, dq, platform, gemm_form):
   """The grouped prefill GEMM (row tiles of one expert) lowers for both GPU platforms."""
   g = _abstract_qtensor(gq, (128, 768, 2048))
   d = _abstract_qtensor(dq, (128, 2048, 768))
