@@ -5,24 +5,24 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-01 (tenth session, no device time left in it), in priority order:
-#   0. `PART=15`: the prefill GEMM's new form (95d0601) against v1 in one process; `PART=14`: gemm_paths.py (int8
-#      MMAs on Q8_0 codes against bf16 and the shipped GEMM) and the Q4_K 1K decode goal with 3 seeds;
-#      `PART=13 PT13=Q8_0,Q4_K,IQ3_S N13=20`: is a T = 4 verify pass bitwise the steps for K-quant / IQ projections?
-#      (their tiles shrank with the batch until the tenth session; now B <= qmatmul_pallas.INVARIANT_B share them;
-#      `--T 5` shows what a k = 4 pass does.)
-#   1. Prefill (0.27-0.40x llama.cpp's ~11,300 tok/s; the Pallas prefill attention is the default since 4a2a563):
-#      `PROF11=1 C11=1024 PART=11` traces it (at 7808f73 the expert GEMMs were 71 % of kernel time); the lever is
-#      an int8 MMA path for the integer codes (Q8_0, IQ3_S grid values, K-quant codes, scales applied to the
-#      partials). Host-tier prefill (max_context > ring) runs the prefill kernel with its log-sum-exp since the
-#      ninth session (unmeasured): the GPU seed4 cell at 32K took 35.5 s TTFT through the reference before.
-#   2. The Q4_K 1K decode goal, met narrowly at 4de51d2 (327.0 tok/s, 1.52x, +1.2 %): repeat the end-to-end cell
-#      with 3 seeds; levers left: fold the expert k-sum into the next norm kernel (~1.2 us a layer), the x layout
-#      of Q5_K / Q6_K / IQ4_* (unmeasured, permuted) and at verify sizes (B = 4: `glue_bench.py --only x --T 4`).
-#   3. The seed4 arms at 1K with the idle-tier skip (default since b044911; the 490ae0f table ran without it):
+# Still open after 2026-12-01 (eleventh session: PARTs 15, 14 and 16 ran; prefill 0.91-1.02x llama.cpp since 7d1397b),
+# in priority order:
+#   0. Prefill, the last few %: `PART=16 T16A=0 E16=0 V16="default;..."` A/B of b959fb6's per-token x pieces is not
+#      possible in one process (no switch); rerun `PART=16 T16A=0` for the end-to-end cells of both types (IQ3_S was
+#      0.91-0.97x, Q4_K 0.99-1.02x) and read the trace's transposes (input_transpose_fusion_95 was 5.9 ms of 87).
+#      Levers: gate/up writing h in down's piece order; dense GEMM tiles retuned for x1 (`qgemm_check.py --tiles`,
+#      TUNING was tuned on the spilling v1 form); `--gaps` shows the host's share.
+#   1. `PART=13 PT13=Q8_0,Q4_K,IQ3_S N13=20`: is a T = 4 verify pass bitwise the steps for K-quant / IQ projections?
+#      (tiles shared by B <= qmatmul_pallas.INVARIANT_B since the tenth session; `--T 5` shows k = 4.) It did not
+#      run in the eleventh session (a step without a timeout ate the call). Give it a call of its own.
+#   2. The seed4 arms at 1K with the idle-tier skip (default since b044911; the 490ae0f table ran without it):
 #      `ONLY=AN,BN T3=400 PART=3`, then AR,BR and AS,BS; the 32K/128K arms with the host-tier prefill kernel and
-#      `decode.bench --reuse_prefill` (one prefill per ring, seed and k).
+#      `decode.bench --reuse_prefill` (one prefill per ring, seed and k). HostTier.like still zeroes per layer on
+#      the device and copies each array to host memory (6.8 GB for a 139K tier): a first thing to time there.
+#   3. The Q4_K 1K decode goal is met in three 3-seed runs by 0.3-1.2 % (324.0-326.6 tok/s): levers if it slips:
+#      fold the expert k-sum into the next norm kernel (~1.2 us a layer), the x layout of Q5_K / Q6_K / IQ4_*.
 #   4. Deep tier steps (128K: 148-174 ms per step on seed-mtp): host waits per layer and PCIe block moves.
+# Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
 set -o pipefail
