@@ -4,7 +4,7 @@ mix for sm_90, from the Triton IR that Pallas emits on this CPU-only jaxlib.
 Two steps, two Python environments (jaxlib does not ship Triton's Python compiler; the pip `triton` wheel does,
 with ptxas and cuobjdump inside it):
 
-  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention] [--form v1]   # project venv: DIR/<kernel>.ttir
+  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention] [--form F: default x1, the GPU's]   # project venv: DIR/<kernel>.ttir
   TRITON_ALWAYS_COMPILE=1 /path/to/venv-with-triton/bin/python scripts/kernel_sass.py compile DIR
 
 `compile` runs Triton's TTIR passes first (XLA runs the same pipeline on a GPU: canonicalize, combine, ...), then
@@ -82,11 +82,10 @@ def dump(out_dir, names):
     return r
 
   reg.lowering.lower_jaxpr_to_triton_module = capture
-  if "--form" in sys.argv:
-    from ops import qgemm_pallas
-    qgemm_pallas.GEMM_FORM = sys.argv[sys.argv.index("--form") + 1]
-    if qgemm_pallas.GEMM_FORM not in qgemm_pallas.GEMM_FORMS:
-      sys.exit(f"--form {qgemm_pallas.GEMM_FORM}: expected one of {', '.join(qgemm_pallas.GEMM_FORMS)}")
+  from ops import qgemm_pallas                  # the form a GPU takes by default (this CPU's default is another)
+  qgemm_pallas.GEMM_FORM = sys.argv[sys.argv.index("--form") + 1] if "--form" in sys.argv else "x1"
+  if qgemm_pallas.GEMM_FORM not in qgemm_pallas.GEMM_FORMS:
+    sys.exit(f"--form {qgemm_pallas.GEMM_FORM}: expected one of {', '.join(qgemm_pallas.GEMM_FORMS)}")
   for case, fn, args in _cases(names):
     captured.clear()
     txt = _lower("cuda", fn, *args)
