@@ -11,8 +11,8 @@ pieces. Then come two kernel calls:
   2. down: the same over h (laid out as the down type's pieces) and down[e]: y [NT * M, D].
 
 Tiles past the last real one (n_used; NT is a static bound for any routing) return at once. The rows then go
-back to pair order t*K + k: a scatter with unique indices, with padding rows dropped. They are weighted by the
-router and summed over k in a fixed order (`ops.moe._combine`). Each weight value is dequantized once per row
+back to pair order t*K + k: each pair's row is gathered by the weighted k-sum itself (`COMBINE`), padding rows are
+never read. They are weighted by the router and summed over k in a fixed order (`ops.moe._combine`). Each weight value is dequantized once per row
 tile of its expert (NT / E ~ P / (M E) + 1 times); the MMAs do P * 3 * F * D * 2 * 3 flops.
 
 Reference: ops/moe.moe_ref. Interpret mode and abstract CUDA/ROCm lowering are tested on CPU
@@ -36,6 +36,11 @@ def supported(gate, up, down) -> bool:
 
 ROWS_FACTOR = 2      # M = ROWS_FACTOR x the power of two nearest the mean rows per expert (read at trace time);
                      # 2 against 1 on the H200: 4.52 against 5.48 ms per 30B layer at T = 1,024 (PERF "Prefill")
+
+
+COMBINE = "gather"   # how the rows return to pair order (read at trace time): "gather" (each pair's row read by
+                     # the k-sum itself) or "scatter" (every row written to a [P, D] array first, as until the
+                     # eleventh session: 3.2 ms of the 30B prefill's 87 at 7d1397b); bitwise the same result
 
 
 def tile_rows(n_pairs: int, n_experts: int) -> int:
@@ -65,8 +70,15 @@ def _grouped(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, E, 
               interpret=interpret, cfg=cg)                                        # [NT*M, F]
   y = qg.gemm(qg.x_operands(h, dq), tile_e, n_real, dplanes, qtype=dq, N=D, K=F, M=M, pair=False, interpret=interpret,
               cfg=cd)                                                             # [NT*M, D]
-  # rows of tiles past n_used were never written: the scatter drops them (their pair index is P)
-  y_PD = jnp.zeros((P, D), F32).at[row_pair].set(y, unique_indices=True, mode="drop")
+  if COMBINE == "scatter":
+    # rows of tiles past n_used were never written: the scatter drops them (their pair index is P)
+    y_PD = jnp.zeros((P, D), F32).at[row_pair].set(y, unique_indices=True, mode="drop")
+  else:
+    # each pair's tile row (a scatter of P int32 indices; padding rows, pair index P, dropped), then the rows
+    # gathered in pair order: XLA fuses the gather into the weighted k-sum, so y_PD is never written
+    pair_row = jnp.zeros((P,), I32).at[row_pair].set(jnp.arange(row_pair.shape[0], dtype=I32), unique_indices=True,
+                                                      mode="drop")
+    y_PD = y[pair_row]
   return _combine(y_PD, w_TK)
 
 

@@ -281,6 +281,31 @@ def test_qgemm_bf16_forms_are_their_rounded_products(form, qtype, monkeypatch):
     jax.clear_caches()
 
 
+def test_grouped_combine_gather_equals_scatter(monkeypatch):
+  """The grouped GEMM's rows back in pair order: gathered by the k-sum (the default) or scattered to [P, D] first
+  (ops.moe_grouped_pallas.COMBINE, kept for the GPU A/B): the same values, bit for bit, with experts of many,
+  one and no tokens."""
+  rng = _rng("combine")
+  E, F, D, K, T = 5, 256, 256, 3, 23
+  g, u = (QTensor.from_gguf(quant.random_blocks("Q8_0", (E, F, D), rng), "Q8_0", D) for _ in range(2))
+  d = QTensor.from_gguf(quant.random_blocks("Q4_K", (E, D, F), rng), "Q4_K", F)
+  ids = np.stack([rng.choice(E - 1, K, replace=False) for _ in range(T)]).astype(np.int32)   # expert E-1: none
+  ids[0] = [0, 1, 2]                                                                          # and skewed counts
+  wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
+  x = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+  ys = {}
+  try:
+    for mode in ("scatter", "gather"):
+      monkeypatch.setattr(moe_grouped_pallas, "COMBINE", mode)
+      jax.clear_caches()
+      ys[mode] = np.asarray(moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), wk, g, u, d, interpret=True,
+                                                                  rows=16))
+  finally:
+    jax.clear_caches()
+  np.testing.assert_array_equal(ys["gather"], ys["scatter"])
+  assert _relerr(ys["gather"], moe_ops.moe_ref(x, jnp.asarray(ids), wk, g, u, d)) < TOL_MOE
+
+
 def test_prefill_precision_picks_the_form(monkeypatch):
   """--prefill_precision: auto is float32-accurate off the GPU (the CPU tests' interpret runs) and one bf16 MMA
   on it; f32 and bf16 force a form; anything else is a one-line error naming the flag."""

@@ -7,11 +7,13 @@
 #
 # Still open after 2026-12-01 (eleventh session: PARTs 15, 14 and 16 ran; prefill 0.91-1.02x llama.cpp since 7d1397b),
 # in priority order:
-#   0. Prefill, the last few %: `PART=16 T16A=0 E16=0 V16="default;..."` A/B of b959fb6's per-token x pieces is not
-#      possible in one process (no switch); rerun `PART=16 T16A=0` for the end-to-end cells of both types (IQ3_S was
-#      0.91-0.97x, Q4_K 0.99-1.02x) and read the trace's transposes (input_transpose_fusion_95 was 5.9 ms of 87).
-#      Levers: gate/up writing h in down's piece order; dense GEMM tiles retuned for x1 (`qgemm_check.py --tiles`,
-#      TUNING was tuned on the spilling v1 form); `--gaps` shows the host's share.
+#   0. Prefill, the last few % (IQ3_S was 0.91-0.97x end to end, Q4_K 0.99-1.02x): `PART=16 T16A=0 PROF16=1
+#      V16="combine=scatter;default;combine=scatter;default"` A/Bs the k-sum gathering the experts' rows (new) against
+#      the scatter (3.2 ms of 87), traces both, then runs the end-to-end cells of both types. b959fb6 (x pieces per
+#      token, not switchable) shows only in the trace: input_transpose_fusion_95 was 5.9 ms of 87 before it.
+#      Levers: gate/up writing h in down's piece order; dense GEMM tiles retuned for x1 (`qgemm_check.py --tiles`;
+#      TUNING was tuned on the spilling v1 form, and x1's dense kernels hold 110-174 registers); `--gaps` shows the
+#      host's share.
 #   1. `PART=13 PT13=Q8_0,Q4_K,IQ3_S N13=20`: is a T = 4 verify pass bitwise the steps for K-quant / IQ projections?
 #      (tiles shared by B <= qmatmul_pallas.INVARIANT_B since the tenth session; `--T 5` shows k = 4.) It did not
 #      run in the eleventh session (a step without a timeout ate the call). Give it a call of its own.
