@@ -226,62 +226,54 @@ def test_split_bf16_xla_is_bitwise_the_kernel_split():
 
 
 @pytest.mark.parametrize("form", ["presplit", "v1"])
-def test_qgemm_forms_agree(form, monkeypatch):
+def test_qgemm_forms_agree(form, retrace):
   """Both kernel forms of ops.qgemm_pallas (kept for in-process A/B runs on the GPU) against the reference, dense
   and grouped: the split x operands and the accumulation order are all that differ."""
-  monkeypatch.setattr(qgemm_pallas, "GEMM_FORM", form)
-  jax.clear_caches()
-  try:
-    rng = _rng("forms", form)
-    w = QTensor.from_gguf(quant.random_blocks("Q4_K", (32, 512), rng), "Q4_K", 512)
-    x = jnp.asarray(rng.standard_normal((20, 512)).astype(np.float32))
-    y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
-    assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
-    E, F, D, K, T = 3, 256, 256, 2, 20
-    g, u = (QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng), "IQ3_S", D) for _ in range(2))
-    d = QTensor.from_gguf(quant.random_blocks("Q8_0", (E, D, F), rng), "Q8_0", F)
-    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
-    wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
-    xm = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
-    ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, rows=16,
-                                               overrides={"gateup": dict(BN=64), "down": dict(BN=64)})
-    assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
-  finally:
-    jax.clear_caches()                     # the form is read at trace time: no cached trace outlives the test
+  retrace(qgemm_pallas, "GEMM_FORM", form)
+  rng = _rng("forms", form)
+  w = QTensor.from_gguf(quant.random_blocks("Q4_K", (32, 512), rng), "Q4_K", 512)
+  x = jnp.asarray(rng.standard_normal((20, 512)).astype(np.float32))
+  y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
+  assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
+  E, F, D, K, T = 3, 256, 256, 2, 20
+  g, u = (QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng), "IQ3_S", D) for _ in range(2))
+  d = QTensor.from_gguf(quant.random_blocks("Q8_0", (E, D, F), rng), "Q8_0", F)
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
+  wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
+  xm = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+  ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, rows=16,
+                                             overrides={"gateup": dict(BN=64), "down": dict(BN=64)})
+  assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
 
 
 @pytest.mark.parametrize("form,qtype", [("x1", "Q4_K"), ("x1", "IQ3_S"), ("x2", "Q8_0"), ("x2", "Q6_K")])
-def test_qgemm_bf16_forms_are_their_rounded_products(form, qtype, monkeypatch):
+def test_qgemm_bf16_forms_are_their_rounded_products(form, qtype, retrace):
   """The faster prefill forms compute exactly the product of rounded operands: "x1" is bf16(x) . bf16(w) and
   "x2" is bf16(x) . w, each accumulated in float32, so against a float32 reference on those rounded operands only
   the summation order differs (1e-5); against the unrounded product they sit at bf16's ~2e-3, and the routed-
   expert chain (two GEMMs, h rounded between them) within 1e-2 of the float32 reference."""
-  monkeypatch.setattr(qgemm_pallas, "GEMM_FORM", form)
-  jax.clear_caches()
-  try:
-    rng = _rng("bf16 forms", form, qtype)
-    w = QTensor.from_gguf(quant.random_blocks(qtype, (32, 512), rng), qtype, 512)
-    x = jnp.asarray(rng.standard_normal((20, 512)).astype(np.float32))
-    y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
-    rnd = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)                               # noqa: E731
-    wd = w.dense(jnp.float32)
-    ref = jnp.einsum("tk,nk->tn", rnd(x), rnd(wd) if form == "x1" else wd, precision="highest")
-    assert _relerr(y, ref) < TOL_MATMUL
-    full = _relerr(y, qmatmul.qmatmul_ref(x, w))
-    assert 1e-4 < full < 5e-3, full                        # rounded, and by no more than bf16's half ulp allows
-    E, F, D, K, T = 3, 256, 256, 2, 20
-    g, u, d = (QTensor.from_gguf(quant.random_blocks(qtype, shp, rng), qtype, shp[-1]) for shp in ((E, F, D),) * 2 + ((E, D, F),))
-    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
-    wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
-    xm = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
-    ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, rows=16,
-                                               overrides={"gateup": dict(BN=64), "down": dict(BN=64)})
-    assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < 1e-2
-  finally:
-    jax.clear_caches()
+  retrace(qgemm_pallas, "GEMM_FORM", form)
+  rng = _rng("bf16 forms", form, qtype)
+  w = QTensor.from_gguf(quant.random_blocks(qtype, (32, 512), rng), qtype, 512)
+  x = jnp.asarray(rng.standard_normal((20, 512)).astype(np.float32))
+  y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
+  rnd = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)                               # noqa: E731
+  wd = w.dense(jnp.float32)
+  ref = jnp.einsum("tk,nk->tn", rnd(x), rnd(wd) if form == "x1" else wd, precision="highest")
+  assert _relerr(y, ref) < TOL_MATMUL
+  full = _relerr(y, qmatmul.qmatmul_ref(x, w))
+  assert 1e-4 < full < 5e-3, full                        # rounded, and by no more than bf16's half ulp allows
+  E, F, D, K, T = 3, 256, 256, 2, 20
+  g, u, d = (QTensor.from_gguf(quant.random_blocks(qtype, shp, rng), qtype, shp[-1]) for shp in ((E, F, D),) * 2 + ((E, D, F),))
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
+  wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
+  xm = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
+  ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, rows=16,
+                                             overrides={"gateup": dict(BN=64), "down": dict(BN=64)})
+  assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < 1e-2
 
 
-def test_grouped_combine_gather_equals_scatter(monkeypatch):
+def test_grouped_combine_gather_equals_scatter(retrace):
   """The grouped GEMM's rows back in pair order: gathered by the k-sum (the default) or scattered to [P, D] first
   (ops.moe_grouped_pallas.COMBINE, kept for the GPU A/B): the same values, bit for bit, with experts of many,
   one and no tokens."""
@@ -294,14 +286,10 @@ def test_grouped_combine_gather_equals_scatter(monkeypatch):
   wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
   x = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
   ys = {}
-  try:
-    for mode in ("scatter", "gather"):
-      monkeypatch.setattr(moe_grouped_pallas, "COMBINE", mode)
-      jax.clear_caches()
-      ys[mode] = np.asarray(moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), wk, g, u, d, interpret=True,
-                                                                  rows=16))
-  finally:
-    jax.clear_caches()
+  for mode in ("scatter", "gather"):
+    retrace(moe_grouped_pallas, "COMBINE", mode)
+    ys[mode] = np.asarray(moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), wk, g, u, d, interpret=True,
+                                                                rows=16))
   np.testing.assert_array_equal(ys["gather"], ys["scatter"])
   assert _relerr(ys["gather"], moe_ops.moe_ref(x, jnp.asarray(ids), wk, g, u, d)) < TOL_MOE
 

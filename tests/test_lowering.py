@@ -69,12 +69,10 @@ def test_moe_stacked_and_split_k_lower(platform):
 
 
 @pytest.fixture(params=["presplit", "x1"])
-def gemm_form(request, monkeypatch):
+def gemm_form(request, retrace):
   """The prefill GEMM's float32-accurate form (the CPU default) and the one-MMA form a GPU takes by default."""
-  monkeypatch.setattr(qgemm_pallas, "GEMM_FORM", request.param)
-  jax.clear_caches()                     # read at trace time: no trace of the other form may be reused
-  yield request.param
-  jax.clear_caches()
+  retrace(qgemm_pallas, "GEMM_FORM", request.param)
+  return request.param
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))

@@ -42,6 +42,8 @@ for variant in args.variants.split(";"):
   attention.PREFILL_GPU_IMPL = kv.get("attn", DEFAULTS[2])
   qgemm_pallas.GEMM_FORM = kv.get("gemm", DEFAULTS[3])
   moe_grouped_pallas.COMBINE = kv.get("combine", DEFAULTS[4])
+  if moe_grouped_pallas.COMBINE not in ("gather", "scatter"):
+    ap.error(f"--variants {variant!r}: combine={moe_grouped_pallas.COMBINE}, expected gather or scatter")
   if qgemm_pallas.GEMM_FORM not in (None, *qgemm_pallas.GEMM_FORMS):
     ap.error(f"--variants {variant!r}: gemm={qgemm_pallas.GEMM_FORM}, expected one of {', '.join(qgemm_pallas.GEMM_FORMS)}")
   jax.clear_caches()                     # the settings are read at trace time
