@@ -21,6 +21,10 @@ ap.add_argument("--iters", type=int, default=20)
 ap.add_argument("--tiles", default="", help="extra qgemm overrides to time, e.g. 'BN=128,S=4;BN=32'")
 ap.add_argument("--forms", default="presplit", help="ops.qgemm_pallas.GEMM_FORM values to check and time, "
                 "interleaved per type ('presplit,v1,presplit,v1': the A/B in one process)")
+ap.add_argument("--sweep", default=None, help="tile sweep in the GPU's default form, interleaved with the default "
+                "(timed first and last): ';'-separated specs for the expert layer of each of --types that has experts "
+                "(IQ3_S, Q4_K) and the dense projection of the others: 'BN=128,S=8' (both expert GEMMs / the dense "
+                "one), 'g.S=8' or 'd.BN=32' (gate/up or down only), 'rows=64' (rows per expert tile), 'M=128' (dense)")
 ap.add_argument("--small", action="store_true", help="CPU dry run: interpret mode, small shapes")
 args = ap.parse_args()
 INTERP = jax.default_backend() == "cpu"
@@ -42,6 +46,54 @@ ref_mm = jax.jit(lambda x, w: jnp.einsum("tk,nk->tn", x, w.dense(jnp.float32), p
 forms = args.forms.split(",")
 if not set(forms) <= set(qgemm_pallas.GEMM_FORMS):
   ap.error(f"--forms {args.forms}: expected a list of {', '.join(qgemm_pallas.GEMM_FORMS)}")
+
+
+def _spec(spec):
+  """'BN=128,g.S=8,rows=64' -> ({"gateup": {...}, "down": {...}}, extra ints such as rows / M)."""
+  ov, extra = {"gateup": {}, "down": {}}, {}
+  for kv in filter(None, spec.split(",")):
+    k, v = kv.split("=")
+    if k in ("rows", "M"):
+      extra[k] = int(v)
+    else:
+      for part, pre in (("gateup", "g."), ("down", "d.")):
+        if "." not in k or k.startswith(pre):
+          ov[part][k.split(".")[-1]] = int(v)
+  return ov, extra
+
+
+if args.sweep is not None:   # tiles against the default, one process: dense N=5120 K=2048 / one 30B expert layer
+  E, F, D, K, T = 128 // SZ, 768, 2048, 8, 1024 // SZ
+  x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+  wt = jnp.asarray(rng.random((T, K)), jnp.float32)
+  specs = ["default", *filter(None, args.sweep.split(";")), "default"]
+  for qtype in args.types.split(","):
+    expert = qtype in ("IQ3_S", "Q4_K")
+    if expert:
+      g, u, d = qt(qtype, (E, F, D)), qt(qtype, (E, F, D)), qt(qtype, (E, D, F))
+      with jax.default_matmul_precision("highest"):
+        r = jax.jit(moe_ops.moe_ref)(x, ids, wt, g, u, d)
+    else:
+      w = qt(qtype, (5120 // SZ, D))
+      r = ref_mm(x, w)
+    for spec in specs:
+      ov, extra = _spec("" if spec == "default" else spec)
+      try:
+        if expert:
+          f = jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP, overrides=ov,
+                                        rows=extra.get("rows")))
+          a = (x, ids, wt, g, u, d)
+        else:
+          f = jax.jit(functools.partial(qgemm_pallas.qgemm_pallas, overrides=ov["gateup"], interpret=INTERP,
+                                        **({"M": extra["M"]} if "M" in extra else {})))
+          a = (x, w)
+        e = rel(f(*a), r)
+        print(f"sweep {qgemm_pallas.gemm_form()} {qtype} {'expert layer' if expert else 'dense N=5120 K=2048'} T={T} "
+              f"{spec}: {timeit(f, *a):.3f} ms (rel L2 {e:.2e})", flush=True)
+      except Exception as ex:  # a tile the compiler refuses (registers, shared memory): say so, go on
+        print(f"sweep {qtype} {spec}: failed: {str(ex).splitlines()[0][:200]}", flush=True)
+  raise SystemExit(0)
 if len(forms) > 1:    # the kernel forms A/B alone: dense projection and one 30B expert layer at T = 1,024, interleaved
   E, F, D, K, T = 128 // SZ, 768, 2048, 8, 1024 // SZ
   for qtype in args.types.split(","):
