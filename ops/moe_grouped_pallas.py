@@ -2,8 +2,9 @@
 
 The routed (token, expert) pairs are sorted by expert and cut into row tiles of M rows, each belonging to one
 expert (`ops.moe.tile_layout`, the layout of the XLA reference `_moe_grouped`). M is twice the power of two nearest
-the mean rows per expert, in [16, 128] (`tile_rows`). The token rows are gathered into tile order and laid out as the gate type's
-pieces. Then come two kernel calls:
+the mean rows per expert, in [16, 128] (`tile_rows`). The token rows are laid out as the gate type's pieces once
+per token; the gate/up kernel loads each tile's rows from them by token index (`GATHER_X`). Then come two kernel
+calls:
 
   1. gate/up: grid (F / BN, NT). Program (i, j) dequantizes rows [i*BN, i*BN + BN) of gate[e] and up[e] (e =
      tile_e[j]) piece by piece over D, runs bf16 MMAs against the tile's M rows, and writes
@@ -43,6 +44,11 @@ COMBINE = "gather"   # how the rows return to pair order (read at trace time): "
                      # eleventh session: 3.2 ms of the 30B prefill's 87 at 7d1397b); bitwise the same result
 
 
+GATHER_X = "kernel"  # how x's rows reach the gate/up tiles (read at trace time): "kernel" (the kernel loads each
+                     # tile's rows by token index) or "xla" (a gather into tile order first, until the twelfth
+                     # session); bitwise the same result
+
+
 def tile_rows(n_pairs: int, n_experts: int) -> int:
   """Rows per tile M: ROWS_FACTOR x the power of two nearest the mean rows per expert, in [16, 128] (a larger M
   dequantizes each expert's weights fewer times, for more padding rows in the MMAs)."""
@@ -62,12 +68,16 @@ def _grouped(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, E, 
   P = T * K
   NT, tile_e, row_tok, row_pair, n_used = tile_layout(ids_TK.astype(I32), E, M)
   n_real = n_used.reshape(1)
-  # x's pieces once per token, then gathered per routed pair: the piece layout is a permutation of each row, so it
-  # commutes with the row gather, and permuting T rows instead of T * K gathered ones is K times less transposing
+  # x's pieces once per token (the piece layout permutes each row, so it commutes with the row gather: K times
+  # less transposing than per routed pair), then each tile's rows gathered from them
   xo = qg.x_operands(x_TD.astype(F32), gq)                                   # 2 x [T, lanes, nb*words]
-  xv = (xo[0][row_tok],) * 2 if xo[0] is xo[1] else tuple(a[row_tok] for a in xo)   # 2 x [NT*M, lanes, nb*words]
-  h = qg.gemm(xv, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
-              interpret=interpret, cfg=cg)                                        # [NT*M, F]
+  if GATHER_X == "kernel":       # by the gate/up kernel itself, by index: no [NT*M, ...] copy of x is written
+    h = qg.gemm(xo, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
+                interpret=interpret, cfg=cg, row_tok=row_tok)                    # [NT*M, F]
+  else:                          # by XLA into tile order first (10.1 of the 30B prefill's 91 ms at a9443ff)
+    xv = (xo[0][row_tok],) * 2 if xo[0] is xo[1] else tuple(a[row_tok] for a in xo)  # 2 x [NT*M, lanes, nb*words]
+    h = qg.gemm(xv, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
+                interpret=interpret, cfg=cg)                                      # [NT*M, F]
   y = qg.gemm(qg.x_operands(h, dq), tile_e, n_real, dplanes, qtype=dq, N=D, K=F, M=M, pair=False, interpret=interpret,
               cfg=cd)                                                             # [NT*M, D]
   if COMBINE == "scatter":

@@ -282,8 +282,10 @@ def _dot3(acc, xh, xl, w, form="presplit"):
   return acc + dot(xh, wl)
 
 
-def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, BN, S, nb, pair, form):
-  *w_refs, o_ref = refs
+def _kernel(te_ref, nt_ref, *refs, qtype, names, N, M, BN, S, nb, pair, form, gather):
+  if gather:
+    tok_ref, *refs = refs
+  xh_ref, xl_ref, tab_ref, *w_refs, o_ref = refs
   n = len(names)
   Ws = [dict(zip(names, w_refs[i * n:(i + 1) * n])) for i in range(2 if pair else 1)]
   nw = words(qtype)
@@ -294,6 +296,8 @@ def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, 
   def _():
     e = te_ref[j]
     r0 = pl.multiple_of(j * M, M)
+    # the tile's x rows: gathered from the token rows by index (gather) or the tile's own rows
+    xrows = tok_ref[pl.ds(r0, M)] if gather else pl.ds(r0, M)
 
     def step(b, accs):
       b0 = b * S
@@ -302,7 +306,7 @@ def _kernel(te_ref, nt_ref, xh_ref, xl_ref, tab_ref, *refs, qtype, names, N, M, 
                             tab_ref) for W in Ws]
       accs = list(accs)
       for pieces in zip(*gens):                      # the same lane of every weight (gate and up share x)
-        at = (pl.ds(r0, M), pieces[0][0], cols)
+        at = (xrows, pieces[0][0], cols)
         if form == "v1":                             # float32 x in xh_ref, split here; products summed first
           xh, xl = split_bf16(xh_ref[at])
           for i, (_, v) in enumerate(pieces):
@@ -350,25 +354,25 @@ def supported(w) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "N", "K", "M", "pair", "interpret", "cfg"))
-def gemm(x, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cfg):
-  """Row tiles of x (`x_operands` of the rows: (hi, lo), each [NT * M, lanes, nb * words] bf16) times their
-  expert's W:
-  y[j*M + m, n] = x[j*M + m] . W[tile_e[j], n] (pair: silu(x . G[e, n]) * (x . U[e, n]), `planes` holding G's
-  planes then U's). planes: [E, N, nb, ...]. Tiles j >= n_tiles ([1] int32) are skipped (left unwritten).
-  Returns [NT * M, N] float32."""
+def gemm(x, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cfg, row_tok=None):
+  """Row tiles of x (`x_operands` of the rows: (hi, lo), each [R, lanes, nb * words] bf16) times their expert's W:
+  y[j*M + m, n] = x[r] . W[tile_e[j], n] with r = j*M + m, or r = row_tok[j*M + m] when row_tok [NT * M] int32 is
+  given (the kernel gathers the tile's rows itself: no gathered copy of x is written); pair: silu(x . G[e, n]) *
+  (x . U[e, n]), `planes` holding G's planes then U's. planes: [E, N, nb, ...]. Tiles j >= n_tiles ([1] int32)
+  are skipped (left unwritten). Returns [NT * M, N] float32."""
   c = dict(cfg)
   c["num_warps"] = max(c["num_warps"], M * c["BN"] // 1024)      # accumulators: <= 32 float32 per thread each
   xh, xl = x
-  R = xh.shape[0]
+  R = xh.shape[0] if row_tok is None else row_tok.shape[0]
   NT = R // M
   nb = K // quant.GGML_TYPES[qtype][0]
   kernel = functools.partial(_kernel, qtype=qtype, names=repack.plane_names(qtype), N=N, M=M, BN=c["BN"],
-                             S=c["S"], nb=nb, pair=pair, form=gemm_form())
+                             S=c["S"], nb=nb, pair=pair, form=gemm_form(), gather=row_tok is not None)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((R, N), F32), grid=(pl.cdiv(N, c["BN"]), NT),
       compiler_params=compiler_params(c), interpret=interpret,
       name=f"qgemm_{'pair_' if pair else ''}{qtype.lower()}",
-  )(tile_e, n_tiles, xh, xl, table(qtype), *planes)
+  )(tile_e, n_tiles, *(() if row_tok is None else (row_tok,)), xh, xl, table(qtype), *planes)
 
 
 DENSE_ROWS = 128     # M of a dense projection (read at trace time; each row tile dequantizes W once). H200, 30B

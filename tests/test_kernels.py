@@ -7,6 +7,7 @@ from __future__ import annotations
 import zlib
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -273,11 +274,29 @@ def test_qgemm_bf16_forms_are_their_rounded_products(form, qtype, retrace):
   assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < 1e-2
 
 
-def test_grouped_combine_gather_equals_scatter(retrace):
-  """The grouped GEMM's rows back in pair order: gathered by the k-sum (the default) or scattered to [P, D] first
-  (ops.moe_grouped_pallas.COMBINE, kept for the GPU A/B): the same values, bit for bit, with experts of many,
-  one and no tokens."""
-  rng = _rng("combine")
+def _eqn_shapes(fn, *args):
+  """(primitive, output shape) of every equation in fn's jaxpr, nested jaxprs (jit, pallas_call bodies aside)
+  included: what a layout switch must change."""
+  out = []
+
+  def walk(jaxpr):
+    for eq in jaxpr.eqns:
+      out.extend((eq.primitive.name, tuple(v.aval.shape)) for v in eq.outvars)
+      if eq.primitive.name != "pallas_call":
+        for sub in jax.extend.core.jaxprs_in_params(eq.params):
+          walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
+@pytest.mark.parametrize("switch,modes", [("COMBINE", ("scatter", "gather")), ("GATHER_X", ("xla", "kernel"))])
+def test_grouped_layout_switches_are_bitwise_the_same(retrace, switch, modes):
+  """The grouped GEMM's two layout switches (ops.moe_grouped_pallas, kept for the GPU A/Bs), each its old way
+  against the default: the same values, bit for bit, with experts of many, one and no tokens. COMBINE: the rows
+  back in pair order, scattered to [P, D] first or gathered by the k-sum (no [P, D] scatter in the program);
+  GATHER_X: x's rows gathered into tile order by XLA or loaded by the gate/up kernel by token index (no
+  rank-3 gather in the program)."""
+  rng = _rng("switch", switch)
   E, F, D, K, T = 5, 256, 256, 3, 23
   g, u = (QTensor.from_gguf(quant.random_blocks("Q8_0", (E, F, D), rng), "Q8_0", D) for _ in range(2))
   d = QTensor.from_gguf(quant.random_blocks("Q4_K", (E, D, F), rng), "Q4_K", F)
@@ -285,13 +304,17 @@ def test_grouped_combine_gather_equals_scatter(retrace):
   ids[0] = [0, 1, 2]                                                                          # and skewed counts
   wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
   x = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
-  ys = {}
-  for mode in ("scatter", "gather"):
-    retrace(moe_grouped_pallas, "COMBINE", mode)
-    ys[mode] = np.asarray(moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), wk, g, u, d, interpret=True,
-                                                                rows=16))
-  np.testing.assert_array_equal(ys["gather"], ys["scatter"])
-  assert _relerr(ys["gather"], moe_ops.moe_ref(x, jnp.asarray(ids), wk, g, u, d)) < TOL_MOE
+  ys, ops = {}, {}
+  for mode in modes:
+    retrace(moe_grouped_pallas, switch, mode)
+    f = lambda x, i, w: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d, interpret=True, rows=16)
+    ys[mode] = np.asarray(f(x, jnp.asarray(ids), wk))
+    ops[mode] = _eqn_shapes(f, x, jnp.asarray(ids), wk)
+  np.testing.assert_array_equal(ys[modes[1]], ys[modes[0]])
+  assert _relerr(ys[modes[1]], moe_ops.moe_ref(x, jnp.asarray(ids), wk, g, u, d)) < TOL_MOE
+  old_op = (lambda p, s: p == "scatter" and s == (T * K, D)) if switch == "COMBINE" else \
+           (lambda p, s: p == "gather" and len(s) == 3)
+  assert any(old_op(*o) for o in ops[modes[0]]) and not any(old_op(*o) for o in ops[modes[1]])
 
 
 def test_prefill_precision_picks_the_form(monkeypatch):

@@ -21,9 +21,10 @@ ap.add_argument("--tokens", type=int, default=1024)
 ap.add_argument("--repeats", type=int, default=3)
 ap.add_argument("--profile", default=None)
 ap.add_argument("--variants", default="default", help="';'-separated settings, each 'default' or "
-                "'dense=M,factor=F,attn=A,gemm=G,combine=C' (ops.qgemm_pallas.DENSE_ROWS, ops.moe_grouped_pallas.ROWS_FACTOR, "
-                "ops.attention.PREFILL_GPU_IMPL: ref | pallas, ops.qgemm_pallas.GEMM_FORM: one of GEMM_FORMS, "
-                "ops.moe_grouped_pallas.COMBINE: gather | scatter)")
+                "'dense=M,factor=F,attn=A,gemm=G,combine=C,gatherx=X' (ops.qgemm_pallas.DENSE_ROWS, "
+                "ops.moe_grouped_pallas.ROWS_FACTOR, ops.attention.PREFILL_GPU_IMPL: ref | pallas, "
+                "ops.qgemm_pallas.GEMM_FORM: one of GEMM_FORMS, ops.moe_grouped_pallas.COMBINE: gather | scatter, "
+                "ops.moe_grouped_pallas.GATHER_X: kernel | xla)")
 args = ap.parse_args(argv)
 
 from decode import bench, engine  # noqa: E402
@@ -34,7 +35,7 @@ model = bench._in_memory_model(args.preset, args.experts)
 model.params = with_kernels(model.params, "pallas" if jax.default_backend() != "cpu" else "interpret")
 prompt = [(7 * (i + 1)) % model.cfg.vocab_size for i in range(args.tokens)]
 DEFAULTS = (qgemm_pallas.DENSE_ROWS, moe_grouped_pallas.ROWS_FACTOR, attention.PREFILL_GPU_IMPL, qgemm_pallas.GEMM_FORM,
-            moe_grouped_pallas.COMBINE)
+            moe_grouped_pallas.COMBINE, moe_grouped_pallas.GATHER_X)
 for variant in args.variants.split(";"):
   kv = dict(p.split("=") for p in variant.split(",") if "=" in p)
   qgemm_pallas.DENSE_ROWS = int(kv.get("dense", DEFAULTS[0]))
@@ -42,6 +43,9 @@ for variant in args.variants.split(";"):
   attention.PREFILL_GPU_IMPL = kv.get("attn", DEFAULTS[2])
   qgemm_pallas.GEMM_FORM = kv.get("gemm", DEFAULTS[3])
   moe_grouped_pallas.COMBINE = kv.get("combine", DEFAULTS[4])
+  moe_grouped_pallas.GATHER_X = kv.get("gatherx", DEFAULTS[5])
+  if moe_grouped_pallas.GATHER_X not in ("kernel", "xla"):
+    ap.error(f"--variants {variant!r}: gatherx={moe_grouped_pallas.GATHER_X}, expected kernel or xla")
   if moe_grouped_pallas.COMBINE not in ("gather", "scatter"):
     ap.error(f"--variants {variant!r}: combine={moe_grouped_pallas.COMBINE}, expected gather or scatter")
   if qgemm_pallas.GEMM_FORM not in (None, *qgemm_pallas.GEMM_FORMS):
