@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from decode import engine
 from decode.engine import generate
 from decode.kv_ring import KVRing
 from model import api
@@ -206,13 +207,19 @@ def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_
   base = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
   place = host_tier.place_on_host
   monkeypatch.setattr(host_tier, "place_on_host", lambda t: place(t, memory_kind="pinned_host"))
+  n_prefill = api.prefill._cache_size()
   host = start_request(m, prompt, gen)
   assert {a.sharding.memory_kind for a in host.state.host.k} == {"pinned_host"}
+  # chunks of the window (256) and one tail (88): two compiles; the tier's committed arrays made every array of the
+  # first chunk's output committed, so without engine.commit_for_store the second chunk compiled again
+  assert api.prefill._cache_size() - n_prefill == 2
   np.testing.assert_array_equal(np.asarray(host.logits), np.asarray(dev.logits))
   for a, b in zip(host.state.host.k + host.state.host.v, dev.state.host.k + dev.state.host.v):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  n_loop = engine.decode_loop._cache_size()
   got = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
   assert got.ids == base.ids
+  assert engine.decode_loop._cache_size() - n_loop <= 1
 
 
 def _ring_copies(hlo: str, ring: KVRing) -> int:
