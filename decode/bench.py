@@ -361,7 +361,7 @@ def main(argv):
                "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
                "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
                "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
-               "prefill_gemm": qgemm_pallas.gemm_form(),
+               "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels),
                "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0,
                "first_run_s": first_run[arm.name], "stats": st}

@@ -114,7 +114,7 @@ def run() -> dict:
       res = speculative_generate(model, ids, gen, drafter=drafter, k=FLAGS.mtp_draft, mtp_window=FLAGS.mtp_window,
                                  replay_ids=replay, eager=FLAGS.eager)
     res.stats["plan"] = plan.to_json()
-    res.stats["prefill_gemm"] = qgemm_pallas.gemm_form()
+    res.stats["prefill_gemm"] = qgemm_pallas.prefill_gemm(_kernels())
   except (GGUFError, RequestError, CLIError, ValueError) as e:
     print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
     sys.exit(1)

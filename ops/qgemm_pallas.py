@@ -137,6 +137,16 @@ def set_precision(precision: str) -> None:
   GEMM_FORM = None if precision == "auto" else PRECISIONS[precision]
 
 
+def prefill_gemm(kernels: str) -> str:
+  """What a request's prefill GEMMs run, for its records: "xla" (the dequantize-then-dot reference) when the
+  params' kernels are "xla", else the form in force.
+
+  >>> prefill_gemm("xla")
+  'xla'
+  """
+  return "xla" if kernels == "xla" else gemm_form()
+
+
 def x_operands(x2, qtype: str):
   """The kernels' x operands for rows x2 [R, K]: `x_pieces` as bf16 (hi, lo), split once by XLA rather than in
   each of the N / BN programs that read a row tile (x1, x2: hi twice); under the form "v1" the float32 pieces

@@ -325,6 +325,8 @@ def test_prefill_precision_picks_the_form(monkeypatch):
   for p, f in (("bf16", "x1"), ("f32", "presplit"), ("auto", None)):
     qgemm_pallas.set_precision(p)
     assert qgemm_pallas.GEMM_FORM == f
+  qgemm_pallas.set_precision("bf16")
+  assert [qgemm_pallas.prefill_gemm(k) for k in ("xla", "pallas", "interpret")] == ["xla", "x1", "x1"]   # records
   with pytest.raises(ValueError, match="prefill_precision: 'fp8'"):
     qgemm_pallas.set_precision("fp8")
 

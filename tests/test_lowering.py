@@ -85,6 +85,32 @@ def test_qgemm_lowers(qtype, platform, gemm_form):
   assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
+def _triton_ir(txt: str, name: str) -> str:
+  """The serialized Triton module of kernel `name` in a lowered module's text (its `ir` attribute)."""
+  end = txt.index(f'", name = "{name}"')
+  return txt[txt.rindex('ir = "', 0, end) + 6:end]
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_qgemm_forms_lower_to_their_own_kernels(platform, retrace):
+  """The form reaches the kernel: x1's Triton module (one bf16 dot per piece) is smaller than presplit's (three
+  dots accumulating), for a dense and a grouped GEMM."""
+  w = _abstract_qtensor("Q8_0", (5120, 2048))
+  x = jax.ShapeDtypeStruct((100, 2048), jnp.float32)
+  ids = jax.ShapeDtypeStruct((100, 8), jnp.int32)
+  wk = jax.ShapeDtypeStruct((100, 8), jnp.float32)
+  g = _abstract_qtensor("IQ3_S", (128, 768, 2048))
+  d = _abstract_qtensor("IQ3_S", (128, 2048, 768))
+  size = {}
+  for form in ("presplit", "x1"):
+    retrace(qgemm_pallas, "GEMM_FORM", form)
+    dense = _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), x, w)
+    grouped = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
+                     x, ids, wk, g, g, d)
+    size[form] = len(_triton_ir(dense, "qgemm_q8_0")), len(_triton_ir(grouped, "qgemm_pair_iq3_s"))
+  assert all(a < 0.9 * b for a, b in zip(size["x1"], size["presplit"])), size
+
+
 @pytest.mark.parametrize("platform", list(DEVICES))
 @pytest.mark.parametrize("gq,dq", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS")])
 def test_moe_grouped_lowers(gq, dq, platform, gemm_form):

@@ -5,25 +5,25 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-01 (eleventh session: PARTs 15, 14 and 16 ran; prefill 0.91-1.02x llama.cpp since 7d1397b),
-# in priority order:
-#   0. Prefill, the last few % (IQ3_S was 0.91-0.97x end to end, Q4_K 0.99-1.02x): `PART=16 T16A=0 PROF16=1
-#      V16="combine=scatter;default;combine=scatter;default"` A/Bs the k-sum gathering the experts' rows (new) against
-#      the scatter (3.2 ms of 87), traces both, then runs the end-to-end cells of both types. b959fb6 (x pieces per
-#      token, not switchable) shows only in the trace: input_transpose_fusion_95 was 5.9 ms of 87 before it.
-#      Levers: gate/up writing h in down's piece order; dense GEMM tiles retuned for x1 (`qgemm_check.py --tiles`;
-#      TUNING was tuned on the spilling v1 form, and x1's dense kernels hold 110-174 registers); `--gaps` shows the
-#      host's share.
-#   1. `PART=13 PT13=Q8_0,Q4_K,IQ3_S N13=20`: is a T = 4 verify pass bitwise the steps for K-quant / IQ projections?
-#      (tiles shared by B <= qmatmul_pallas.INVARIANT_B since the tenth session; `--T 5` shows k = 4.) It did not
-#      run in the eleventh session (a step without a timeout ate the call). Give it a call of its own.
-#   2. The seed4 arms at 1K with the idle-tier skip (default since b044911; the 490ae0f table ran without it):
-#      `ONLY=AN,BN T3=400 PART=3`, then AR,BR and AS,BS; the 32K/128K arms with the host-tier prefill kernel and
-#      `decode.bench --reuse_prefill` (one prefill per ring, seed and k). HostTier.like still zeroes per layer on
-#      the device and copies each array to host memory (6.8 GB for a 139K tier): a first thing to time there.
-#   3. The Q4_K 1K decode goal is met in three 3-seed runs by 0.3-1.2 % (324.0-326.6 tok/s): levers if it slips:
-#      fold the expert k-sum into the next norm kernel (~1.2 us a layer), the x layout of Q5_K / Q6_K / IQ4_*.
+# Still open after 2026-12-01 (twelfth session: prefill over llama.cpp since f60792b, 1.09x IQ3_S / 1.23x Q4_K end to
+# end; the 32K seed4 arms did not fit a call), in priority order:
+#   0. Issue 7 item 3 on the GPU: the seed4 arms at 32K and 128K (replay and lookup). A 32K request with the tier cost
+#      (tier_probe.py at 835b6f7): seed-mtp weights built in memory 82 s, state + tier 4-5 s, prompt 33 s of which 25 s
+#      two compiles (the second one is gone since 1911e7e: re-run `python3 scripts/gpu/tier_probe.py` first to see
+#      it). Then one pair of arms per call: `python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas
+#      --arms seed4 --only AN,BN --depths 32768 --expert_cache auto --max_new_tokens 256 --seeds 1 --max_context
+#      139264 --reuse_prefill` (then AR,BR; then 131072). A run that ends by timeout leaves its JSONL records.
+#      If compiles still dominate: the spec loop's compile per ring, HostTier.like (4 x 48 eager zeros + transfers).
+#   1. `PART=13 PT13=Q8_0,Q4_K,IQ3_S N13=20 T13=140`, its own call: is a T = 4 verify pass bitwise the steps for
+#      K-quant / IQ projections? (not run in the eleventh or twelfth session)
+#   2. Prefill, further (75.8 ms of kernels at f60792b: IQ3_S gate/up 27.2, down 26.2, Q8_0 projections 8.0,
+#      attention 4.4, the down input's piece transpose 1.7; ~15 ms of host stretches under the profiler). Levers:
+#      gate/up writing h in down's piece order; the jitted prefill call's dispatch over ~1,500 parameter leaves.
+#      `qgemm_check.py --sweep` found no better tile for x1 (defaults stay).
+#   3. The Q4_K 1K decode goal: 327.1 tok/s at f60792b (1.52x), 324.0-326.6 before; levers if it slips: fold the
+#      expert k-sum into the next norm kernel, the x layout of Q5_K / Q6_K / IQ4_*.
 #   4. Deep tier steps (128K: 148-174 ms per step on seed-mtp): host waits per layer and PCIe block moves.
+#   5. Seed 0 of every e2e cell prefills 14-17 % slower than seeds 1-2 (the first timed run after the compiling one).
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
