@@ -112,3 +112,30 @@ def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
   got = [(x["arm"].split("-")[1], x["seed"], x["stats"]["prefill_reused"]) for x in recs]
   assert got == [("mtp", 0, True), ("lookup", 0, True), ("mtp", 1, False), ("lookup", 1, True)], got
   assert all(x["config"]["reuse_prefill"] and x["stats"]["ttft_s"] > 0 for x in recs)
+
+
+def test_random_params_are_the_loaded_files_params_on_any_thread_count(tmp_path):
+  """bench's in-memory models (model.writer.random_params): the tensors, types, shapes and layout that write_gguf
+  + load_model give for the same shape and type policy, and the same values whatever the number of threads
+  that build them."""
+  import jax
+  import numpy as np
+
+  from configs.presets import TINY_QWEN3MOE
+  from model.api import fuse_qkv
+  from model.loader import load_model
+  from model.writer import quant_policy, random_params, write_gguf
+  from ops.qtensor import QTensor
+
+  types = quant_policy("IQ3_S", "Q8_0")
+  one, three = (random_params(TINY_QWEN3MOE, types=types, seed=5, workers=w) for w in (1, 3))
+  leaf = lambda t: isinstance(t, QTensor)  # noqa: E731
+  assert jax.tree.structure(one, is_leaf=leaf) == jax.tree.structure(three, is_leaf=leaf)
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(three)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  loaded = load_model(write_gguf(tmp_path / "r.gguf", TINY_QWEN3MOE, types=types, seed=5)).params
+  shapes = lambda p: jax.tree.map(lambda t: (t.qtype, t.shape, tuple(x.shape for x in t.planes)) if leaf(t)  # noqa: E731
+                                  else (str(t.dtype), t.shape), p, is_leaf=leaf)
+  assert shapes(fuse_qkv(one)) == shapes(loaded)
+  assert not np.array_equal(np.asarray(jax.tree.leaves(one)[0]),
+                            np.asarray(jax.tree.leaves(random_params(TINY_QWEN3MOE, types=types, seed=6))[0]))
