@@ -10,7 +10,7 @@
 #   0. Issue 7 item 3 on the GPU: the seed4 arms at 32K and 128K (replay and lookup). A 32K request with the tier cost
 #      (tier_probe.py at 835b6f7): seed-mtp weights built in memory 82 s, state + tier 4-5 s, prompt 33 s of which 25 s
 #      two compiles (the second one is gone since 1911e7e: re-run `python3 scripts/gpu/tier_probe.py` first to see
-#      it). Then one pair of arms per call: `python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas
+#      it; `PART=17` runs both steps). Then one pair of arms per call: `python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas
 #      --arms seed4 --only AN,BN --depths 32768 --expert_cache auto --max_new_tokens 256 --seeds 1 --max_context
 #      139264 --reuse_prefill` (then AR,BR; then 131072). A run that ends by timeout leaves its JSONL records.
 #      If compiles still dominate: the spec loop's compile per ring, HostTier.like (4 x 48 eager zeros + transfers).
@@ -130,6 +130,14 @@ case "${PART:-1}" in
   head -80 $OUT/trace/*.summary.txt 2>/dev/null
   [ "${E16:-1}" != 0 ] && for x in IQ3_S Q4_K; do timeout 200 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory \
     --kernels pallas --drafts none --depths 1024 --max_new_tokens 256 --seeds 3 --experts $x --cells $OUT/e2e.jsonl 2>&1 | filt | tail -3; done ;;
+17) # issue 7 item 3: a deep request with the host tier stage by stage (the second prefill compile is gone since 1911e7e?
+    # random_params threaded since 5924a88?), then one pair of seed4 arms at one depth (ONLY17=AN,BN | AR,BR | AS,BS;
+    # D17=32768 | 131072), records per timed run in seed4-deep.jsonl (they survive a timeout)
+  timeout ${T17A:-150} python3 scripts/gpu/tier_probe.py --preset seed-mtp --depth ${D17:-32768} --ring 32768 --max_context 139264 \
+    2>&1 | tr '\r' '\n' | grep --line-buffered -E "^stage|^  chunk|Error" | tee $OUT/tier.log
+  [ "${T17B:-400}" != 0 ] && timeout ${T17B:-400} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 \
+    --only ${ONLY17:-AN,BN} --depths ${D17:-32768} --expert_cache auto --max_new_tokens 256 --seeds ${SEEDS:-1} --max_context 139264 \
+    --reuse_prefill --cells $OUT/seed4-deep.jsonl 2>&1 | filt | grep -vE "^(W|I)[0-9]" | tee $OUT/seed4-deep.log | tail -12 ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)
