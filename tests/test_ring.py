@@ -321,3 +321,27 @@ def test_idle_tier_skip_runs_no_tier_work_while_idle(monkeypatch, request):
   generate(m, long, max_new_tokens=30, **kw)              # steps write positions window - 10 .. window + 18
   jax.effects_barrier()
   assert runs == list(range(window, window + 19)), runs
+
+
+def test_first_interpret_kernel_trace_does_not_recompile_the_prefill():
+  """In a fresh process (nothing imported yet): a prompt of two equal chunks through the Pallas kernels in interpret
+  mode compiles the prefill once. Pallas' interpreter, imported at the first interpret trace, adds a value to jax's
+  tracing context, so the second chunk missed the cache and compiled again; `ops` imports it up front."""
+  import subprocess
+  import sys
+  code = """
+import jax
+from decode import bench, engine
+from model import api
+from ops.qtensor import with_kernels
+m = bench._in_memory_model("tiny-qwen3moe", "Q8_0")
+m.params = with_kernels(m.params, "interpret")
+gen = engine.GenConfig(max_new_tokens=1, kv="int8", kv_resident=256)
+state = engine.init_state(m, 256, gen)
+engine.prefill_chunked(m.params, list(range(1, 33)), state, m.cfg, 16)
+print("compiles", api.prefill._cache_size())
+"""
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       cwd=__file__.rsplit("/tests/", 1)[0])
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "compiles 1" in out.stdout, out.stdout
