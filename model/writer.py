@@ -191,20 +191,14 @@ def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: in
     t = types(tname, shape)
     return _to_param(t, _random_tensor(tname, shape, t, np.random.default_rng([seed, i]), cfg, block_scale), shape)
 
-  workers = workers or max(1, min(8, os.cpu_count() or 1))
+  from tqdm import tqdm
   built = [None] * len(entries)
-  bar = None
-  if progress:
-    from tqdm import tqdm
-    bar = tqdm(total=len(entries), desc="random params", unit="tensor")
-  with cf.ThreadPoolExecutor(workers) as pool:
+  with cf.ThreadPoolExecutor(workers or max(1, min(8, os.cpu_count() or 1))) as pool, \
+       tqdm(total=len(entries), desc="random params", unit="tensor", disable=not progress) as bar:
     futures = {pool.submit(build, i): i for i in range(len(entries))}
     for f in cf.as_completed(futures):
       built[futures[f]] = f.result()
-      if bar is not None:
-        bar.update()
-  if bar is not None:
-    bar.close()
+      bar.update()
   params: dict = {}
   for (path, _), param in zip(entries, built):
     node = params

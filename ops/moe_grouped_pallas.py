@@ -72,12 +72,11 @@ def _grouped(x_TD, ids_TK, w_TK, gplanes, uplanes, dplanes, *, gq, dq, D, F, E, 
   # less transposing than per routed pair), then each tile's rows gathered from them
   xo = qg.x_operands(x_TD.astype(F32), gq)                                   # 2 x [T, lanes, nb*words]
   if GATHER_X == "kernel":       # by the gate/up kernel itself, by index: no [NT*M, ...] copy of x is written
-    h = qg.gemm(xo, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
-                interpret=interpret, cfg=cg, row_tok=row_tok)                    # [NT*M, F]
+    xv, rows = xo, row_tok
   else:                          # by XLA into tile order first (10.1 of the 30B prefill's 91 ms at a9443ff)
-    xv = (xo[0][row_tok],) * 2 if xo[0] is xo[1] else tuple(a[row_tok] for a in xo)  # 2 x [NT*M, lanes, nb*words]
-    h = qg.gemm(xv, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
-                interpret=interpret, cfg=cg)                                      # [NT*M, F]
+    xv, rows = ((xo[0][row_tok],) * 2 if xo[0] is xo[1] else tuple(a[row_tok] for a in xo)), None
+  h = qg.gemm(xv, tile_e, n_real, (*gplanes, *uplanes), qtype=gq, N=F, K=D, M=M, pair=True,
+              interpret=interpret, cfg=cg, row_tok=rows)                          # [NT*M, F]
   y = qg.gemm(qg.x_operands(h, dq), tile_e, n_real, dplanes, qtype=dq, N=D, K=F, M=M, pair=False, interpret=interpret,
               cfg=cd)                                                             # [NT*M, D]
   if COMBINE == "scatter":
