@@ -186,7 +186,9 @@ def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None) -> di
     res = speculative_generate(model, prompt, gen, drafter=arm.draft, k=k, mtp_window=FLAGS.mtp_window,
                                replay_ids=replay, prefill_cache=prefill_cache)
   st = dict(res.stats)
-  st["prefill_tok_s"] = arm.depth / st["ttft_s"] if st["ttft_s"] else 0.0
+  # a reused prefill's TTFT is the original request's (its compiling run): no prefill figure for this run
+  st["prefill_tok_s"] = None if st.get("prefill_reused") else (arm.depth / st["ttft_s"] if st["ttft_s"] else 0.0)
+  st["tokens"] = [int(t) for t in res.ids]        # the generated tokens: runs compare them across arms
   st["plan"], st["expert_slots"] = plan.to_json(), slots
   if arm.draft != "none":
     from decode.round_model import bytes_model
@@ -248,14 +250,15 @@ def _table(records: list[dict], arms: list[Arm]) -> str:
     if not rs:
       continue
     med = statistics.median(r["stats"]["decode_tok_s"] for r in rs)
-    pre = statistics.median(r["stats"]["prefill_tok_s"] for r in rs)
+    pres = [r["stats"]["prefill_tok_s"] for r in rs if r["stats"].get("prefill_tok_s") is not None]
+    pre = f"{statistics.median(pres):.0f}" if pres else "reused"
     drafts = " ".join(f"{sum(r['stats'].get('drafts_accepted', [0]))}/{sum(r['stats'].get('drafts_proposed', [0]))}"
                       for r in rs) if a.draft != "none" else "-"
     hits = {ph: [h for h in (_hit_rate(r["stats"], ph) for r in rs) if h is not None] for ph in ("prefill", "decode")}
     hit_cell = " / ".join(f"{statistics.median(hits[ph]):.1%}" for ph in hits if hits[ph]) or "-"
     slots = rs[0]["stats"].get("expert_slots")
     cache = "all" if slots is None else f"{a.cache}: {slots} slots"
-    rows.append(f"| {a.name} | {a.ring} | {a.draft} | {a.kv} | {a.depth} | {cache} | {med:.1f} | {pre:.0f} | {drafts} | "
+    rows.append(f"| {a.name} | {a.ring} | {a.draft} | {a.kv} | {a.depth} | {cache} | {med:.1f} | {pre} | {drafts} | "
                 f"{_speedups(records, arms, a)} | {hit_cell} |")
   return "\n".join(rows)
 
@@ -280,7 +283,25 @@ def _verdicts(records: list[dict], bars) -> list[str]:
       ca = [r["stats"].get("drafts_accepted") for r in by[a]]
       cb = [r["stats"].get("drafts_accepted") for r in by[b]]
       out.append(f"{what} {a} {ca} vs {b} {cb} (bar: identical): {'PASS' if ca == cb else 'FAIL'}")
+      out.append(f"generated tokens {a} vs {b}: {_token_match(by[a], by[b])}")
   return out
+
+
+def _token_match(ra: list[dict], rb: list[dict]) -> str:
+  """Whether two arms generated the same tokens, seed by seed: "identical" or the first position that differs.
+  Within the smaller ring's capacity the invariants make them equal; deeper, the host tier's log-sum-exp merge
+  sums in another order than the ring alone, and a near-tie in the logits may then pick another token."""
+  sb = {r.get("seed"): r["stats"].get("tokens") for r in rb}
+  out = []
+  for r in ra:
+    ta, tb = r["stats"].get("tokens"), sb.get(r.get("seed"))
+    if ta is None or tb is None:
+      continue
+    diff = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+    if diff is None and len(ta) != len(tb):
+      diff = min(len(ta), len(tb))
+    out.append(f"seed {r.get('seed')} " + ("identical" if diff is None else f"differ from token {diff} of {len(ta)}"))
+  return ", ".join(out) or "not recorded"
 
 
 def _plot(records, arms, path):

@@ -99,6 +99,17 @@ def test_seed4_speed_bars_hold_at_1k_and_deep_cells_report_the_ratio():
   assert any(v.startswith("drafts accepted AS") and v.endswith("PASS") for v in deep)
 
 
+def test_arms_compare_their_generated_tokens_seed_by_seed():
+  """Each record keeps its generated tokens; the verdicts say, per seed, whether a ring pair generated the same
+  ones or where they first differ (deeper than the smaller ring, the tier's merge may flip a near-tie)."""
+  from decode import bench
+  rec = lambda arm, seed, toks: {"arm": arm, "seed": seed, "stats": {"decode_tok_s": 1.0, "drafts_accepted": [0],  # noqa: E731
+                                                                    "tokens": toks}}
+  records = [rec("AN", 0, [5, 6, 7]), rec("AN", 1, [1, 2, 3]), rec("BN", 0, [5, 6, 7]), rec("BN", 1, [1, 9, 3])]
+  got = bench._verdicts(records, [("AN", "BN", 0.0, "drafts accepted")])
+  assert got[-1] == "generated tokens AN vs BN: seed 0 identical, seed 1 differ from token 1 of 3", got
+
+
 def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
   """--reuse_prefill: seeds run outermost, each arm's compiling run takes seed 0's prompt, and arms with the same
   ring and k share a prefill (NextN and lookup at k = 3): only the first arm's seed-1 run prefills by itself."""
@@ -112,6 +123,9 @@ def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
   got = [(x["arm"].split("-")[1], x["seed"], x["stats"]["prefill_reused"]) for x in recs]
   assert got == [("mtp", 0, True), ("lookup", 0, True), ("mtp", 1, False), ("lookup", 1, True)], got
   assert all(x["config"]["reuse_prefill"] and x["stats"]["ttft_s"] > 0 for x in recs)
+  # a reused prefill's TTFT is another run's: such a run reports no prefill speed, and the table says so
+  assert [x["stats"]["prefill_tok_s"] is None for x in recs] == [True, True, False, True]
+  assert all(len(x["stats"]["tokens"]) == 8 for x in recs) and "| reused |" in r.stdout
 
 
 def test_random_params_are_the_loaded_files_params_on_any_thread_count(tmp_path):
