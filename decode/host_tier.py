@@ -2,8 +2,11 @@
 
 With `max_context` C > R, every write of positions p into the ring also copies position p - W (W = the ring's
 window, capacity - scratch) from its ring slot into the tier, so the tier holds exactly the positions the ring
-no longer shows. Attention then runs over the ring (positions >= written - W) and over the tier (positions
-< written - W) and merges the two exactly with their log-sum-exps (ops/attention.merge_lse).
+no longer shows. Attention then runs over the ring and over the tier and merges the two exactly with their
+log-sum-exps (ops/attention.merge_lse). A decode step or verify pass (T <= the decode kernel's MAX_T) splits per
+row, as the step at that row's position would: row t sees the ring from pos_t + 1 - W and the tier below it,
+which makes a verify pass's rows the steps' bitwise on the GPU (`ops/attention.tier_attention` runs the tier's
+blocks through the decode kernel); a prefill chunk splits every row at written - W.
 
 The tier is indexed by position (slot p), capacity C, same dtype and scales as the ring. On a GPU its arrays
 are placed in pinned host memory (`place_on_host`); on CPU it is ordinary memory unless a test forces the

@@ -121,15 +121,22 @@ class Attention(nn.Module):
     if host is None:
       o = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale)
     else:
-      # the ring's part on the decode kernel where it takes the call (as without a tier), with its log-sum-exp
-      o1, lse1 = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale,
-                                         with_lse=True)
-      # the tier shows positions < written - window: clip the queries' causal bound to its last position
-      hi = ring.length + T - ring.window - 1
-      q_hi = jnp.minimum(pos_T, hi)
-      o2, lse2 = attn_ops.attention_with_lse(q, *host.layer(L), q_hi, host.capacity, None,
-                                             block=tier_block(ring.window, attn_block), scale=scale)
-      lse2 = jnp.where((hi >= 0), lse2, -jnp.inf)
+      # The ring's part (on the decode kernel where it takes the call, as without a tier) and the tier's, each
+      # with its log-sum-exp. Decode and verify (T <= MAX_T): row t sees the ring from lo_t = pos_t + 1 - window
+      # and the tier below it, the split of the step that decodes pos_t alone, so a verify pass's rows are that
+      # step's bitwise (DESIGN invariant 3; lo_t is at least written - R: older slots are overwritten). Prefill
+      # chunks: every row sees the ring from written - window, the tier below.
+      if T <= attn_ops.attention_pallas.MAX_T:
+        lo = jnp.maximum(pos_T + 1 - ring.window, ring.length + T - ring.capacity)
+        o1, lse1 = attn_ops.ring_attention(q, *ring.layer(L), pos_T, ring.length + T, block=attn_block, scale=scale,
+                                           with_lse=True, lo_T=lo)
+        q_hi = lo - 1
+      else:
+        o1, lse1 = attn_ops.ring_attention(q, *ring.layer(L), pos_T, length, block=attn_block, scale=scale,
+                                           with_lse=True)
+        q_hi = jnp.minimum(pos_T, ring.length + T - ring.window - 1)
+      o2, lse2 = attn_ops.tier_attention(q, *host.layer(L), q_hi, tier_block=tier_block(ring.window, attn_block),
+                                         block=attn_block, scale=scale)
       o = attn_ops.merge_lse(o1.reshape(T, Hq, Dh), lse1, o2.reshape(T, Hq, Dh), lse2)
     return linear(o.reshape(T, Hq * Dh), wo), ring, host
 

@@ -57,16 +57,20 @@ def _load_block(k_ring, v_ring, k_scale, v_scale, layer, start_slot, block):
   return k.astype(jnp.float32), v.astype(jnp.float32)
 
 
-def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, with_lse=False):
+def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, with_lse=False,
+              lo_T=None):
   """The reference on a layer stack [L, R, Hkv, Dh] (scales [L, R, Hkv]) at layer `layer` (int32), or on one
   layer [R, Hkv, Dh] (layer None).
-  with_lse: also return the log-sum-exp of the scores [T, Hq] (-inf where no key was visible), for merging."""
+  with_lse: also return the log-sum-exp of the scores [T, Hq] (-inf where no key was visible), for merging.
+  lo_T: None, or row t's first visible position [T] (at least length - R), as the decode kernel's."""
   T, Hq, Dh = q_THD.shape
   R, Hkv, _ = k_ring.shape[-3:]
   G = Hq // Hkv
   q = q_THD.astype(jnp.float32).reshape(T, Hkv, G, Dh) * scale
   oldest = jnp.maximum(length - R, 0)
-  first_blk = oldest // block
+  if lo_T is not None:
+    oldest = jnp.maximum(jnp.asarray(lo_T, jnp.int32), oldest)[:, None]         # [T, 1]
+  first_blk = jnp.min(oldest) // block
   last_blk = (jnp.max(q_pos_T) // block)                 # no key beyond the last query is ever visible
 
   def body(b, carry):
@@ -75,7 +79,7 @@ def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, b
     k, v = _load_block(k_ring, v_ring, k_scale, v_scale, layer, start % R, block)
     s = jnp.einsum("tkgd,skd->tkgs", q, k)              # [T, Hkv, G, block]
     kpos = start + jnp.arange(block, dtype=jnp.int32)
-    ok = (kpos[None, :] <= q_pos_T[:, None]) & (kpos[None, :] >= oldest)   # [T, block]
+    ok = (kpos[None, :] <= q_pos_T[:, None]) & (kpos[None, :] >= oldest)   # [T, block] (oldest: () or [T, 1])
     s = jnp.where(ok[:, None, None, :], s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     p = jnp.exp(s - m_new[..., None])
@@ -95,12 +99,54 @@ def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, b
   return out.reshape(T, Hq, Dh)
 
 
-def attention_with_lse(q_THD, k, v, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int, scale: float):
+def attention_with_lse(q_THD, k, v, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int, scale: float,
+                       lo_T=None):
   """The reference over one layer (layer None) or a stack, returning (out [T, Hq, Dh], lse [T, Hq]) for an
   exact merge of partial attentions."""
   k, v, k_scale, v_scale, layer = _stack(k, v, k_scale, v_scale, layer)
   return _ref_core(q_THD, k, v, k_scale, v_scale, jnp.asarray(q_pos_T, jnp.int32), jnp.asarray(length, jnp.int32),
-                   layer, block, scale, with_lse=True)
+                   layer, block, scale, with_lse=True, lo_T=lo_T)
+
+
+def merge_lse_pair(o1, lse1, o2, lse2):
+  """merge_lse, also returning the merged log-sum-exp: folds partials one at a time (the tier's blocks). A partial
+  with lse -inf (no visible key) leaves the other bitwise unchanged."""
+  M = jnp.maximum(lse1, lse2)
+  M = jnp.where(jnp.isfinite(M), M, 0.0)
+  w1, w2 = jnp.exp(lse1 - M), jnp.exp(lse2 - M)
+  tot = w1 + w2
+  o = (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(tot > 0, tot, 1.0)[..., None]
+  return o, jnp.where(tot > 0, M + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
+
+
+def tier_attention(q_THD, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, block: int, scale: float,
+                   impl: str | None = None):
+  """Attention of T queries over a host tier (one layer [C, Hkv, Dh], position p in slot p), row t seeing
+  positions 0 .. q_hi_T[t] (-1: none): (out [T, Hq, Dh], lse [T, Hq], -inf where nothing is visible).
+
+  The visited blocks of `tier_block` positions move to the device one at a time. With the decode kernel
+  (impl as ring_attention's, T <= MAX_T) each block runs through it as a ring of one block, and the blocks'
+  partials fold in block order (merge_lse_pair): every row's arithmetic is then its own, the same in a verify
+  pass as in the step at that position (DESIGN invariant 3). Otherwise the reference walks the tier directly."""
+  T, Hq, Dh = q_THD.shape
+  C = k.shape[0]
+  chosen = impl or default_impl(T)
+  q_hi_T = jnp.asarray(q_hi_T, jnp.int32)
+  if chosen == "ref" or T > attention_pallas.MAX_T or attention_pallas.supported(
+      T, Hq, k.shape[-2], Dh, block, k) is not None:
+    return attention_with_lse(q_THD, k, v, k_scale, v_scale, q_hi_T, C, None, block=tier_block, scale=scale)
+  tb = tier_block
+
+  def body(b, carry):
+    start = b * tb
+    blk = [None if x is None else _rows(x, None, start, tb) for x in (k, v, k_scale, v_scale)]
+    hi = jnp.minimum(q_hi_T, start + tb - 1)        # the block as a ring of tb slots holding [start, start + tb)
+    o, lse = attention_pallas.ring_attention_pallas(q_THD, *blk, hi, start + tb, block=min(block, tb),
+                                                    scale=scale, interpret=chosen == "interpret", with_lse=True)
+    return merge_lse_pair(*carry, o, lse)
+
+  init = (jnp.zeros((T, Hq, Dh), jnp.float32), jnp.full((T, Hq), -jnp.inf, jnp.float32))
+  return jax.lax.fori_loop(0, jnp.maximum(jnp.max(q_hi_T), -1) // tb + 1, body, init)
 
 
 def merge_lse(o1, lse1, o2, lse2):
@@ -121,7 +167,8 @@ def _stack(k_ring, v_ring, k_scale, v_scale, layer):
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale"))
-def ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float):
+def ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
+                       lo_T=None):
   """softmax(q k^T * scale) v over live, causal keys.
 
   q_THD: [T, Hq, Dh] (after RoPE); k_ring/v_ring: [R, Hkv, Dh] (one layer, new rows already written);
@@ -130,7 +177,7 @@ def ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length,
   Returns [T, Hq, Dh] float32.
   """
   k_ring, v_ring, k_scale, v_scale, layer = _stack(k_ring, v_ring, k_scale, v_scale, None)
-  return _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale)
+  return _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, lo_T=lo_T)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale", "q_chunk"))
@@ -164,7 +211,7 @@ def default_impl(T: int) -> str:
 
 
 def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
-                   impl: str | None = None, layer=None, with_lse: bool = False):
+                   impl: str | None = None, layer=None, with_lse: bool = False, lo_T=None):
   """Dispatcher: the Pallas decode kernel (ops/attention_pallas.py, T <= MAX_T), the Pallas prefill kernel
   (ops/prefill_attention_pallas.py, T > MAX_T) or the jnp reference.
 
@@ -176,17 +223,21 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
   reference; an explicit "pallas"/"interpret" raises instead.
   with_lse (static): return (out, lse [T, Hq]) for an exact merge with another partial (the ring beside a host
   tier), from either kernel; the reference then runs unchunked (attention_with_lse).
+  lo_T: None, or each row's first visible position [T] (decode and verify, T <= MAX_T: the ring beside a host
+  tier, where row t sees the window of the step at its position).
   """
   T, Hq, Dh = q_THD.shape
   chosen = impl or default_impl(T)
   if chosen not in IMPLS:
     raise ValueError(f"ring_attention: impl {impl!r}, expected one of {IMPLS}")
+  if lo_T is not None and T > attention_pallas.MAX_T:
+    raise ValueError(f"ring_attention: per-row windows (lo_T) are for T <= {attention_pallas.MAX_T}, got T={T}")
   if chosen != "ref" and T <= attention_pallas.MAX_T:
     why = attention_pallas.supported(T, Hq, k_ring.shape[-2], Dh, block, k_ring)
     if why is None:
       return attention_pallas.ring_attention_pallas(
           q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
-          interpret=chosen == "interpret", with_lse=with_lse)
+          interpret=chosen == "interpret", with_lse=with_lse, lo_T=lo_T)
     if impl is not None:
       raise ValueError(f"ring_attention: impl={impl!r} cannot take this call: {why}")
   elif chosen != "ref":
@@ -199,7 +250,11 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
       raise ValueError(f"ring_attention: impl={impl!r} cannot take this prefill call: {why}")
   if with_lse:
     return attention_with_lse(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,
-                              scale=scale)
+                              scale=scale, lo_T=lo_T)
+  if lo_T is not None:
+    k, v, ks, vs, layer = _stack(k_ring, v_ring, k_scale, v_scale, layer)
+    return _ref_core(q_THD, k, v, ks, vs, jnp.asarray(q_pos_T, jnp.int32), jnp.asarray(length, jnp.int32), layer,
+                     block, scale, lo_T=lo_T)
   if layer is None and T <= PREFILL_Q_CHUNK:
     return ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, block=block, scale=scale)
   return ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,

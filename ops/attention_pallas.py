@@ -15,11 +15,21 @@ Tiling.
           only live tiles are ever read, and at depths below R the range is [0, max(q_pos)//bk], the
           same for every capacity.
   grid    (Hkv, S) programs, S = max_splits(Hkv) a static constant (never a function of R). Program (h, s)
-          runs an online softmax (float32) over its `tiles_per_split` live tiles and writes an unnormalised
-          partial (acc [P, Dh], running max m [P], sum l [P]); `split_schedule(n_live_tiles, S)` gives the
-          number of busy splits and tiles per split from the live tile count alone. Idle programs write
-          (0, -inf, 0). A second kernel merges the partials by log-sum-exp over the static S axis
-          (`merge_splits`: batch-invariant, and it writes [T, Hq, Dh] directly).
+          runs an online softmax (float32) over the live tiles i with i mod S == s, in increasing i (a strided
+          schedule: which program takes a tile and in what order depends on the tile's absolute index alone,
+          never on where the live range starts or how long it is), and writes an unnormalised partial (acc
+          [P, Dh], running max m [P], sum l [P]); a program without a live tile writes (0, NEG_INF, 0).
+          `split_schedule(n_live_tiles, S)` gives the busy programs and the most tiles one visits. A second
+          kernel merges the partials by log-sum-exp over the static S axis (`merge_splits`: batch-invariant,
+          and it writes [T, Hq, Dh] directly).
+  windows each row sees positions lo_t <= p <= q_pos_t: lo_t = max(length - R, 0) for every row, or a per-row
+          `lo_T` (the model passes it beside a host tier, where row t's window is [q_pos_t + 1 - W, q_pos_t]
+          exactly as in the step that decodes position q_pos_t alone). A tile wholly outside a row's window
+          leaves that row's (m, l, acc) bitwise unchanged (masked scores give p = 0 and a correction of
+          exp(0) = 1), so a row's result depends only on the tiles it sees: a verify pass's row t equals the step
+          at q_pos_t bitwise however the pass's live range differs from the step's (DESIGN invariant 3, and the
+          seed-mtp replay arms at 32K on the GPU, which accepted 0 of 255 drafts with the old contiguous split:
+          its split boundaries moved with the pass's first tile and tile count).
   loads   per tile: K, V [bk, Dh] of head h (strided by Hkv*Dh in the ring), converted to bf16 (float32 for
           tf32x3) in registers; int8 scales [bk] apply around the dots (never dequantized in memory).
   dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh] on the tensor cores. Default (DEFAULT_DOTS,
@@ -57,7 +67,6 @@ NEG_INF = -1e30          # as the reference: finite, so exp(NEG_INF - NEG_INF) =
 MAX_T = 8                # queries per call the kernel takes (decode, verify of up to 7 drafts); more -> reference
 TARGET_PROGRAMS = 256    # ~ two programs per SM on an H200 (132 SMs): S = TARGET_PROGRAMS / Hkv splits
 MAX_SPLITS = 64
-MIN_TILES_PER_SPLIT = 1
 
 # head_dim -> (bk key tile, num_warps, num_stages). bk is further capped by the ring's block.
 TUNING = {
@@ -140,14 +149,19 @@ def live_tiles(length, q_pos_max, capacity: int, tile: int):
   return first, jnp.asarray(q_pos_max, jnp.int32) // tile - first + 1
 
 
-def split_schedule(n_tiles, n_splits_max: int, min_tiles: int = MIN_TILES_PER_SPLIT):
-  """(busy splits, tiles per split) for `n_tiles` live tiles: a function of the live tile count alone.
-
-  tiles_per_split = max(ceil(n_tiles / n_splits_max), min_tiles); busy = ceil(n_tiles / tiles_per_split),
-  so no busy split is empty and busy <= n_splits_max. Works on Python ints and traced int32 scalars."""
+def split_schedule(n_tiles, n_splits_max: int):
+  """(busy programs, most tiles one program visits) for `n_tiles` consecutive live tiles under the strided
+  schedule (tile i to program i mod S): (min(n, S), ceil(n / S)), a function of the live tile count alone.
+  Works on Python ints and traced int32 scalars."""
   n = jnp.maximum(jnp.asarray(n_tiles, jnp.int32), 1)
-  tps = jnp.maximum((n + n_splits_max - 1) // n_splits_max, min_tiles)
-  return (n + tps - 1) // tps, tps
+  return jnp.minimum(n, n_splits_max), (n + n_splits_max - 1) // n_splits_max
+
+
+def strided_tiles(s, first, end, n_splits: int):
+  """(first tile, count) of program s under the strided schedule over live tiles [first, end): tiles
+  i = start + j * n_splits, j < count, with start the first i >= first such that i mod n_splits == s."""
+  start = first + lax.rem(s - lax.rem(first, n_splits) + n_splits, n_splits)
+  return start, jnp.maximum((end - start + n_splits - 1) // n_splits, 0)
 
 
 def _dot(a, b, b_contract: int, tc: bool):
@@ -185,7 +199,8 @@ def tile_step(i, carry, q, rowpos, k_ref, v_ref, ks_ref, vs_ref, *, layer, h, ol
               tc: bool, dots: str):
   """One key tile of an online softmax (float32): rows q [P, Dh] (pre-scaled) at positions rowpos [P] against
   key tile i of kv head h (positions [i*bk, (i+1)*bk), slots from (i*bk) mod R), masked to oldest <= p <= row
-  position; carry (running max m [P], sum l [P], acc [P, Dh]). Shared by the decode and prefill kernels."""
+  position (oldest: a scalar, or per row [P, 1]); carry (running max m [P], sum l [P], acc [P, Dh]). Shared by the
+  decode and prefill kernels."""
   m, l, acc = carry
   slot0 = pl.multiple_of(lax.rem(i, capacity // bk) * bk, bk)
   kv_t = jnp.bfloat16 if dots == "bf16x2" else jnp.float32
@@ -238,9 +253,17 @@ def gather_rows(q_ref, qpos_ref, h, *, T: int, G: int, P: int, scale: float):
   return q, rowpos
 
 
-def _kernel(meta_ref, qpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
-            count_visits: bool, tc: bool, dots: str, T: int, G: int, P: int, scale: float, gather: bool):
-  """Program (h, s): online softmax of q rows of kv head h over its range of live tiles."""
+def row_values(ref, *, T: int, G: int, P: int):
+  """A per-query value [T] (ref) spread over the program's rows [P] (row r = t*G + g; padding repeats query T-1)."""
+  r = lax.broadcasted_iota(jnp.int32, (P,), 0)
+  return ref[jnp.minimum(r // G, T - 1)]
+
+
+def _kernel(meta_ref, qpos_ref, lo_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
+            count_visits: bool, tc: bool, dots: str, T: int, G: int, P: int, scale: float, gather: bool,
+            n_splits: int):
+  """Program (h, s): online softmax of q rows of kv head h over its live tiles i (i mod S == s), each row masked
+  to its own window [lo_t, q_pos_t]."""
   ks_ref, vs_ref = (None, None)
   if quant:
     ks_ref, vs_ref, *refs = refs
@@ -250,10 +273,8 @@ def _kernel(meta_ref, qpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: i
   layer = meta_ref[0]
   first = meta_ref[1]
   end = first + meta_ref[2]          # one past the last live tile
-  tps = meta_ref[3]
-  oldest = meta_ref[4]
-  t0 = first + s * tps
-  t1 = jnp.minimum(t0 + tps, end)
+  start, count = strided_tiles(s, first, end, n_splits)
+  oldest = row_values(lo_ref, T=T, G=G, P=P)[:, None]           # [P, 1]: each row's first visible position
 
   if gather:
     q, rowpos = gather_rows(q_ref, qpos_ref, h, T=T, G=G, P=P, scale=scale)  # [P, Dh] scaled, [P] (-1: padding)
@@ -264,12 +285,12 @@ def _kernel(meta_ref, qpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: i
   Dh = q.shape[1]
   body = functools.partial(tile_step, q=q, rowpos=rowpos, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, vs_ref=vs_ref,
                            layer=layer, h=h, oldest=oldest, bk=bk, capacity=capacity, tc=tc, dots=dots)
-  m, l, acc = lax.fori_loop(t0, t1, body, init_carry(P, Dh))
+  m, l, acc = lax.fori_loop(0, count, lambda j, c: body(start + j * n_splits, c), init_carry(P, Dh))
   o_ref[...] = acc
   m_ref[...] = m
   l_ref[...] = l
   if count_visits:
-    cnt_ref[0][...] = jnp.full((P,), jnp.maximum(t1 - t0, 0), jnp.int32)
+    cnt_ref[0][...] = jnp.full((P,), count, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bk", "n_splits", "count_visits",
@@ -277,8 +298,12 @@ def _kernel(meta_ref, qpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: i
 def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
                           block: int, scale: float, interpret: bool = False, bk: int | None = None,
                           n_splits: int | None = None, count_visits: bool = False, num_warps: int | None = None,
-                          num_stages: int | None = None, dots: str | None = None, with_lse: bool = False):
+                          num_stages: int | None = None, dots: str | None = None, with_lse: bool = False,
+                          lo_T=None):
   """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref. Returns [T, Hq, Dh] float32.
+
+  lo_T: None (every row sees positions >= max(length - R, 0)) or int32 [T], row t's first visible position
+  (at least length - R: older slots are overwritten).
 
   k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
   k_scale/v_scale: [(L,) R, Hkv] or None. bk, n_splits, num_warps, num_stages override the tuning table (tests,
@@ -303,10 +328,10 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
 
   length = jnp.asarray(length, jnp.int32)
   q_pos_T = jnp.asarray(q_pos_T, jnp.int32)
-  first, n_tiles = live_tiles(length, jnp.max(q_pos_T), R, bk)
-  _, tps = split_schedule(n_tiles, S)
   oldest = jnp.maximum(length - R, 0)
-  meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, n_tiles, tps, oldest, 0, 0, 0]).astype(jnp.int32)
+  lo_T = jnp.full((T,), oldest, jnp.int32) if lo_T is None else jnp.maximum(jnp.asarray(lo_T, jnp.int32), oldest)
+  first, n_tiles = live_tiles(jnp.min(lo_T) + R, jnp.max(q_pos_T), R, bk)
+  meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, n_tiles, 0, 0, 0, 0, 0]).astype(jnp.int32)
 
   if GATHER_Q:
     q = q_THD.astype(jnp.float32).reshape(T * Hq, Dh)      # a free reshape: rows are gathered in the kernel
@@ -315,8 +340,8 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
     q = jnp.pad(q.reshape(Hkv, T * G, Dh), ((0, 0), (0, P - T * G), (0, 0))).reshape(Hkv * P, Dh)
 
   whole = lambda x: pl.BlockSpec(x.shape, lambda h, s: (0,) * x.ndim)
-  in_specs = [whole(meta), whole(q_pos_T), whole(q), whole(k_ring), whole(v_ring)]
-  args = [meta, q_pos_T, q, k_ring, v_ring]
+  in_specs = [whole(meta), whole(q_pos_T), whole(lo_T), whole(q), whole(k_ring), whole(v_ring)]
+  args = [meta, q_pos_T, lo_T, q, k_ring, v_ring]
   if quant:
     in_specs += [whole(k_scale), whole(v_scale)]
     args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
@@ -330,7 +355,7 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
     out_shape.append(jax.ShapeDtypeStruct((Hkv, S, P), jnp.int32))
     out_specs.append(pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)))
   kernel = functools.partial(_kernel, bk=bk, capacity=R, quant=quant, count_visits=count_visits, tc=not interpret,
-                             dots=dots, T=T, G=G, P=P, scale=scale, gather=GATHER_Q)
+                             dots=dots, T=T, G=G, P=P, scale=scale, gather=GATHER_Q, n_splits=S)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=in_specs, out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),

@@ -113,7 +113,16 @@ def test_split_schedule_follows_live_length():
   S = attention_pallas.max_splits(4)
   for n in range(1, 3000, 7):
     busy, tps = (int(x) for x in split_schedule(n, S))
-    assert 1 <= busy <= S and busy * tps >= n and (busy - 1) * tps < n, (n, busy, tps)
+    assert busy == min(n, S) and tps == -(-n // S), (n, busy, tps)
+    # the strided schedule: each tile exactly once, program s taking the tiles i with i mod S == s
+    first = (n * 37) % 500
+    seen = []
+    for s in range(S):
+      start, count = (int(x) for x in attention_pallas.strided_tiles(jnp.int32(s), first, first + n, S))
+      tiles = [start + j * S for j in range(count)]
+      assert all(i % S == s and first <= i < first + n for i in tiles) and count <= tps
+      seen += tiles
+    assert sorted(seen) == list(range(first, first + n))
   # The live range below capacity, and so the schedule, is the same for every R.
   for bk in (64, 256):
     got = {R: tuple(int(x) for x in live_tiles(DEPTH, DEPTH - 1, R, bk)) for R in CAPACITIES + (49152, 131072)}
@@ -276,3 +285,57 @@ def test_kernel_lowers_for_gpu(platform, kind, dtype, dots):
     with use_abstract_mesh(mesh):
       text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "ring_decode_attention" in text
+
+
+def _np_attention(q, k, v, lo, hi, scale):
+  """float64 softmax attention of q [T, Hq, Dh] over positions lo[t] .. hi[t] of k, v [N, Hkv, Dh] (slot = position);
+  (out, lse), lse -inf and out 0 where a row sees nothing."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  T, Hq, _ = q.shape
+  G = Hq // k.shape[1]
+  out, lse = np.zeros(q.shape), np.full((T, Hq), -np.inf)
+  for t in range(T):
+    if hi[t] < lo[t]:
+      continue
+    for h in range(Hq):
+      s = k[lo[t]:hi[t] + 1, h // G] @ q[t, h] * scale
+      w = np.exp(s - s.max())
+      out[t, h], lse[t, h] = w @ v[lo[t]:hi[t] + 1, h // G] / w.sum(), s.max() + np.log(w.sum())
+  return out, lse
+
+
+@pytest.mark.parametrize("impl", ["ref", "interpret"])
+def test_per_row_windows_match_float64(impl):
+  """lo_T: row t sees positions lo_t .. q_pos_t of a wrapped ring (the ring beside a host tier: the window of the
+  step at its position), in the kernel and the reference, against float64."""
+  R, depth, T, hkv, G = 128, 300, 4, 2, 4
+  rng = np.random.default_rng(3)
+  k = rng.standard_normal((depth, hkv, DH)).astype(np.float32)
+  v = rng.standard_normal((depth, hkv, DH)).astype(np.float32)
+  ring = KVRing.create(1, R, hkv, DH, "f32", block=32)
+  ring = ring.write(0, jnp.arange(depth - R, depth), jnp.asarray(k[-R:]), jnp.asarray(v[-R:])).advance(depth)
+  q, pos = _q(T, hkv * G), _pos(T, depth)
+  lo = np.asarray(pos) + 1 - (R - T)                       # window W = R - scratch, scratch = T
+  want, want_lse = _np_attention(q, k, v, lo, np.asarray(pos), SCALE)
+  out, lse = ring_attention(q, *_layer(ring), pos, depth, block=32, scale=SCALE, impl=impl, with_lse=True,
+                            lo_T=jnp.asarray(lo, jnp.int32))
+  np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ref", "interpret"])
+def test_tier_attention_per_row_bounds_match_float64(impl):
+  """attention.tier_attention over a tier of 3 blocks: row t sees positions 0 .. q_hi[t] (-1: none, lse -inf), on
+  the reference and on the decode kernel block by block (folded with merge_lse_pair), against float64."""
+  C, hkv, G, tb = 192, 2, 2, 64
+  rng = np.random.default_rng(4)
+  k = rng.standard_normal((C, hkv, DH)).astype(np.float32)
+  v = rng.standard_normal((C, hkv, DH)).astype(np.float32)
+  q = _q(4, hkv * G, seed=5)
+  for q_hi in ([130, 131, 132, 133], [-1, 0, 63, 64], [-1, -1, -1, -1]):
+    hi = np.asarray(q_hi)
+    want, want_lse = _np_attention(q, k, v, np.zeros(4, int), hi, SCALE)
+    out, lse = attention.tier_attention(q, jnp.asarray(k), jnp.asarray(v), None, None, jnp.asarray(hi, jnp.int32),
+                                        tier_block=tb, block=32, scale=SCALE, impl=impl)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6, err_msg=str(q_hi))
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5, err_msg=str(q_hi))

@@ -89,6 +89,40 @@ for depth in (1000, 1025):            # 1025: the pass's last query opens a key 
   print(f"{f'attention kernel, int8 ring, depth {depth}':52s} {'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
         flush=True)
 
+# beside a host tier: the ring part with per-row windows on a wrapped ring whose window start crosses a key tile
+# within the pass (the old contiguous split schedule moved its boundaries there), and the tier part block by block
+R, W = 4096, 4096 - T
+bk = attention.attention_pallas.tuning(Dh, 256)[0]
+L = 2 * R + (bk - 3 - T) % bk                           # window starts L + 1 - W + t = bk - 2 + t (mod bk): rows 0-1
+                                                        # start in one key tile, rows 2.. in the next
+ring = KVRing.create(1, R, Hkv, Dh, "int8", block=256)
+wpos = jnp.arange(L + T - R, L + T)
+ring = ring.write(0, wpos, jnp.asarray(rng.standard_normal((R, Hkv, Dh)), jnp.float32),
+                  jnp.asarray(rng.standard_normal((R, Hkv, Dh)), jnp.float32))
+q = jnp.asarray(rng.standard_normal((T, Hq, Dh)), jnp.float32)
+att = jax.jit(lambda q, p, n, lo: attention.ring_attention(q, *ring.layer(0), p, n, block=256, scale=Dh ** -0.5,
+                                                           impl=kern, with_lse=True, lo_T=lo))
+pos = L + jnp.arange(T)
+full = att(q, pos, L + T, pos + 1 - W)
+rows = [att(q[i:i + 1], pos[i:i + 1], L + i + 1, pos[i:i + 1] + 1 - W) for i in range(T)]
+for j, what in ((0, "out"), (1, "lse")):
+  dd = float(np.max(np.abs(np.asarray(full[j]) - np.concatenate([np.asarray(r[j]) for r in rows]))))
+  print(f"{f'attention kernel, wrapped ring, per-row windows: {what}':52s} "
+        f"{'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}", flush=True)
+C, tb = 3 * 4096, 4096
+tk = jnp.asarray(rng.integers(-127, 128, (C, Hkv, Dh)), jnp.int8)
+tv = jnp.asarray(rng.integers(-127, 128, (C, Hkv, Dh)), jnp.int8)
+tks, tvs = (jnp.asarray(rng.random((C, Hkv)) * 0.02, jnp.float32) for _ in range(2))
+tier = jax.jit(lambda q, hi: attention.tier_attention(q, tk, tv, tks, tvs, hi, tier_block=tb, block=256,
+                                                      scale=Dh ** -0.5, impl=kern))
+hi = 2 * tb - 2 + jnp.arange(T)                            # rows on both sides of a tier block boundary
+full = tier(q, hi)
+rows = [tier(q[i:i + 1], hi[i:i + 1]) for i in range(T)]
+for j, what in ((0, "out"), (1, "lse")):
+  dd = float(np.max(np.abs(np.asarray(full[j]) - np.concatenate([np.asarray(r[j]) for r in rows]))))
+  print(f"{f'tier attention (kernel per block): {what}':52s} {'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
+        flush=True)
+
 # the trunk: T decode steps against one T-token forward (the verify pass) from the same prefilled state
 from model import transformer  # noqa: E402
 if cpu:                                 # the decode attention kernel (interpret mode) for T <= 8, as on the GPU
@@ -118,3 +152,30 @@ for rw in a.glue.split(","):
   same = [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
   print(f"trunk {a.preset} x {a.layers} layers, glue kernels {rw}: {T} steps vs a {T}-token pass, max |diff| per "
         f"position {[f'{v:.2e}' for v in d]}, argmax equal {same}", flush=True)
+
+# the trunk beside an active host tier (ring 512 under max_context 4,096, a 1,500-token prompt: positions have left
+# the window), as the seed4 arms at 32K and 128K run it
+from decode import engine, host_tier  # noqa: E402
+transformer.GLUE_KERNELS = True
+jax.clear_caches()
+prompt = jnp.asarray(rng.integers(0, small.vocab_size, 1500), jnp.int32)
+outs = []
+for mode in ("steps", "verify"):
+  st = api.init_state(small, 512, "int8", scratch=T)
+  st = st.replace(host=host_tier.place_on_host(host_tier.HostTier.like(st.ring, 4096)))
+  st = engine.commit_for_store(st, params, small)
+  for c in range(0, 1500, 250):
+    _, _, st = api.prefill(params, prompt[c:c + 250], st, cfg=small)
+  if mode == "steps":
+    ls = []
+    for t in range(T):
+      lg, _, st = api.decode_step(params, toks[t], st, cfg=small)
+      ls.append(np.asarray(lg))
+    outs.append(np.stack(ls))
+  else:
+    lg, _, st = api.prefill(params, toks, st, cfg=small)
+    outs.append(np.asarray(lg))
+d = np.max(np.abs(outs[0] - outs[1]), axis=-1)
+same = [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
+print(f"trunk with an active host tier x {a.layers} layers: {T} steps vs a {T}-token pass, max |diff| per position "
+      f"{[f'{v:.2e}' for v in d]}, argmax equal {same}", flush=True)
