@@ -229,13 +229,21 @@ class PrefillCache:
       self._d.popitem(last=False)
 
 
+# Scratch slots of every request on a fixed ring beside a host tier, plain or speculative (k + 1 <= this). The window
+# (capacity - scratch) decides which positions attention takes from the ring and which from the tier, and the two
+# sum in different orders: with one window for all, a speculative request's verify rows are the plain request's
+# steps bitwise (the replay arms at depth accept every draft), and both share a prefill (PrefillCache).
+TIER_SCRATCH = 8
+
+
 def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_window: int | None = None,
                   ring_start: int | None = None, params: dict | None = None,
                   prefill_cache: PrefillCache | None = None) -> Started:
   """Check the request, size the ring (and host tier), allocate the state and prefill the prompt with `params`
   (default model.params; `generate` passes request_params(model, gen)).
 
-  k > 0 reserves k + 1 scratch slots for speculative overshoot. Without --kv_resident the ring is the smallest
+  k > 0 reserves k + 1 scratch slots for speculative overshoot, and any request beside a host tier TIER_SCRATCH
+  (so that plain and speculative requests see the same window). Without --kv_resident the ring is the smallest
   power-of-two bucket from 1024 holding the request (or `ring_start` tokens, then grown); with a fixed R and
   max_context > R, positions older than the ring's window live in the host tier. With `prefill_cache` a prompt
   prefilled before under the same ring, tier and chunking is copied instead of run again (Started.reused_s)."""
@@ -249,9 +257,13 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
     raise RequestError(f"prompt: {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} = {need} exceeds "
                        f"max_context {max_ctx}")
   cap = ring_capacity((ring_start or need) + slack, gen.kv_resident)
+  host = None
+  if fixed and gen.max_context and max_ctx + max(slack, TIER_SCRATCH) > cap:
+    slack = max(slack, TIER_SCRATCH)             # one window for plain and speculative requests on this ring
+    host = max_ctx + slack
   if fixed and cap <= 2 * slack:
-    raise RequestError(f"kv_resident {cap} is too small for {k} drafts")
-  host = max_ctx + slack if fixed and max_ctx + slack > cap else None
+    raise RequestError(f"kv_resident {cap} is too small for {k} drafts beside a host tier" if host else
+                       f"kv_resident {cap} is too small for {k} drafts")
   params = model.params if params is None else params
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=host, params=params)
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile

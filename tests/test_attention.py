@@ -339,3 +339,38 @@ def test_tier_attention_per_row_bounds_match_float64(impl):
                                         tier_block=tb, block=32, scale=SCALE, impl=impl)
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6, err_msg=str(q_hi))
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5, err_msg=str(q_hi))
+
+
+def test_verify_rows_equal_the_steps_bitwise_on_a_wrapped_ring():
+  """Row t of a T-query call with per-row windows equals the one-query call at its position bitwise (interpret
+  mode; the GPU check is scripts/gpu/batch_invariance.py), where the window's start crosses a key tile inside the
+  pass. The strided split schedule makes this hold: with splits of consecutive tiles from the first live one, the
+  boundaries moved with the pass's first tile and the rows summed in other groups. The same for the host tier's
+  blocks through the kernel (attention.tier_attention)."""
+  R, T, hkv, G, bk, S = 256, 4, 2, 2, 16, 4
+  W = R - T
+  L = 2 * R + (bk - 3 - T) % bk                           # row windows start at bk - 2, bk - 1, 0, 1 (mod bk)
+  rng = np.random.default_rng(6)
+  ring = KVRing.create(1, R, hkv, DH, "int8", block=32)
+  ring = ring.write(0, jnp.arange(L + T - R, L + T), jnp.asarray(rng.standard_normal((R, hkv, DH)), jnp.float32),
+                    jnp.asarray(rng.standard_normal((R, hkv, DH)), jnp.float32))
+  q = _q(T, hkv * G, seed=7)
+  f = jax.jit(lambda q, p, n, lo: ring_attention_pallas(q, *_layer(ring), p, n, block=32, scale=SCALE, interpret=True,
+                                                        bk=bk, n_splits=S, with_lse=True, lo_T=lo))
+  pos = L + jnp.arange(T, dtype=jnp.int32)
+  full = f(q, pos, L + T, pos + 1 - W)
+  for i in range(T):
+    one = f(q[i:i + 1], pos[i:i + 1], L + i + 1, pos[i:i + 1] + 1 - W)
+    for a, b in zip(full, one):
+      np.testing.assert_array_equal(np.asarray(a[i:i + 1]), np.asarray(b), err_msg=f"row {i}")
+  C, tb = 192, 64
+  tk = jnp.asarray(rng.standard_normal((C, hkv, DH)), jnp.float32)
+  tv = jnp.asarray(rng.standard_normal((C, hkv, DH)), jnp.float32)
+  tier = jax.jit(lambda q, hi: attention.tier_attention(q, tk, tv, None, None, hi, tier_block=tb, block=32,
+                                                        scale=SCALE, impl="interpret"))
+  hi = tb - 2 + jnp.arange(T, dtype=jnp.int32)          # rows on both sides of a tier block boundary
+  full = tier(q, hi)
+  for i in range(T):
+    one = tier(q[i:i + 1], hi[i:i + 1])
+    for a, b in zip(full, one):
+      np.testing.assert_array_equal(np.asarray(a[i:i + 1]), np.asarray(b), err_msg=f"tier row {i}")

@@ -144,8 +144,9 @@ def test_prefill_cache_reuse_changes_no_token():
   """decode.engine.PrefillCache (decode.bench --reuse_prefill): a 600-token prompt prefilled once on a 256-slot ring
   with a host tier (max_context 1024: the prompt already wraps the ring) serves the later requests with the same
   ring, k and chunking. Every request emits the tokens and draft counts of the same request prefilling by itself;
-  the NextN and lookup requests (k = 3) share one entry (the drafter ring is filled after the prefill), the plain
-  request has its own (no scratch slots); each use gets its own copy of the state (the steps donate it)."""
+  the plain, NextN and lookup requests (k = 3) share one entry (beside a host tier every request has the same
+  scratch slots, engine.TIER_SCRATCH, and the drafter ring is filled after the prefill); each use gets its own
+  copy of the state (the steps donate it)."""
   from decode.engine import PrefillCache
   m = _model()
   prompt = _prompt(600, seed=5)
@@ -163,4 +164,23 @@ def test_prefill_cache_reuse_changes_no_token():
     assert alone.ids == shared.ids == plain.ids
     assert (alone.stats["drafts_proposed"], alone.stats["drafts_accepted"]) == \
         (shared.stats["drafts_proposed"], shared.stats["drafts_accepted"])
-  assert (cache.hits, cache.misses, len(cache)) == (3, 2, 2)
+  assert (cache.hits, cache.misses, len(cache)) == (4, 1, 1)
+
+
+def test_plain_and_speculative_requests_beside_a_tier_share_one_window():
+  """Beside a host tier the window (capacity - scratch) decides which positions attention takes from the ring and
+  which from the tier, and the two parts sum in different orders; so a plain request and a speculative one at any
+  k <= 7 get the same scratch (engine.TIER_SCRATCH) and window, and replay's drafts (the plain request's tokens)
+  are all accepted. Without a tier the scratch stays k + 1."""
+  from decode import engine
+  m = _model()
+  prompt = _prompt(600, seed=6)
+  gen = engine.GenConfig(max_new_tokens=24, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  windows = {k: engine.start_request(m, prompt, gen, k=k).state.ring.window for k in (0, 1, 3, 7)}
+  assert set(windows.values()) == {256 - engine.TIER_SCRATCH}, windows
+  small = engine.GenConfig(max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=256)
+  assert engine.start_request(m, prompt[:100], small, k=3).state.ring.scratch == 4
+  kw = dict(max_new_tokens=24, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  plain = generate(m, prompt, **kw)
+  rep = speculative_generate(m, prompt, drafter="replay", k=3, replay_ids=plain.ids, **kw)
+  assert rep.ids == plain.ids and rep.stats["acceptance"] == 1.0
