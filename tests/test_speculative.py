@@ -184,3 +184,16 @@ def test_plain_and_speculative_requests_beside_a_tier_share_one_window():
   plain = generate(m, prompt, **kw)
   rep = speculative_generate(m, prompt, drafter="replay", k=3, replay_ids=plain.ids, **kw)
   assert rep.ids == plain.ids and rep.stats["acceptance"] == 1.0
+
+
+def test_memory_plan_counts_the_host_tier_the_engine_allocates():
+  """kv_plan's host tier item is the bytes of the tier a request allocates: indexed by position, max_context plus
+  the scratch slots (it said max_context - ring before, 1.6 GB short of the 6.9 GB tier of a seed4 arm)."""
+  from decode import engine
+  from decode.kv_plan import make_plan
+  m = _model()
+  gen = engine.GenConfig(max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  for k in (0, 3):
+    host = engine.start_request(m, _prompt(300, seed=7), gen, k=k).state.host
+    plan = make_plan(m.cfg, weight_bytes=0, ring=256, kv="int8", max_context=1024, k=k)
+    assert plan.get("host tier") == sum(x.nbytes for x in jax.tree.leaves(host)) > 0
