@@ -165,7 +165,9 @@ def _text_tokens(model, n: int, seed: int) -> list[int]:
   return ids[start:start + n]
 
 
-def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None) -> dict:
+def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffer: int | None = None) -> dict:
+  """One request of `arm` (plain, or the drafted one after the plain request it replays): its stats. `buffer`:
+  size the request's buffers and ring for that many new tokens (engine.GenConfig.buffer_tokens)."""
   from decode.engine import GenConfig, generate
   from decode.speculative import speculative_generate
   from model.loader import LoadedModel  # noqa: F401
@@ -175,7 +177,8 @@ def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None) -> di
     base = [7, 11, 13, 17, 19, 23, 29, 31]
     prompt = [(base[i % len(base)] * (i + 1 + seed)) % model.cfg.vocab_size for i in range(arm.depth)]
   gen = GenConfig(max_new_tokens=max_new, kv=arm.kv, kv_resident=None if arm.ring == "auto" else int(arm.ring),
-                  max_context=FLAGS.max_context, stop_at_eos=False, seed=seed, prefill_chunk=FLAGS.prefill_chunk)
+                  max_context=FLAGS.max_context, stop_at_eos=False, seed=seed, prefill_chunk=FLAGS.prefill_chunk,
+                  buffer_tokens=buffer)
   k = (arm.k or FLAGS.mtp_draft) if arm.draft != "none" else 0
   plan, slots = _plan(model, arm, gen, k)
   gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
@@ -196,19 +199,24 @@ def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None) -> di
   return st
 
 
+COMPILE_TOKENS = 8       # tokens the compiling run generates (a 128K cell's 256 tokens take ~40 s on the GPU)
+
+
 def compile_run(model, arm: Arm, prefill_cache=None) -> dict:
-  """The untimed first run of an arm: the same max_new_tokens as the timed runs, whose decode buffer
-  (engine._buffer_size) is then the same shape; a shorter compile run left the first timed run a recompile.
-  With a prefill cache it takes seed 0's prompt, whose prefill the first timed run then reuses."""
-  return run_cell(model, arm, seed=0 if prefill_cache is not None else -1, max_new=FLAGS.max_new_tokens,
-                  prefill_cache=prefill_cache)
+  """The untimed first run of an arm: COMPILE_TOKENS new tokens in buffers and a ring sized for the timed runs'
+  max_new_tokens (engine.GenConfig.buffer_tokens), so it compiles every loop they call; without the sizing a
+  shorter run left the first timed run a recompile. With a prefill cache it takes seed 0's prompt, whose prefill
+  the first timed run then reuses."""
+  return run_cell(model, arm, seed=0 if prefill_cache is not None else -1,
+                  max_new=min(COMPILE_TOKENS, FLAGS.max_new_tokens), prefill_cache=prefill_cache,
+                  buffer=FLAGS.max_new_tokens)
 
 
 def _plan(model, arm: Arm, gen, k: int):
   """The request's memory plan and expert slots (None: all resident), as `generate --plan` makes them."""
-  from decode.engine import prefill_chunk, ring_capacity
+  from decode.engine import new_tokens_sized, prefill_chunk, ring_capacity
   from decode.kv_plan import device_budget, plan_request
-  ring = ring_capacity(arm.depth + gen.max_new_tokens + (k + 1 if k else 0), gen.kv_resident)
+  ring = ring_capacity(arm.depth + new_tokens_sized(gen) + (k + 1 if k else 0), gen.kv_resident)
   return plan_request(model, ring=ring, kv=arm.kv, max_context=gen.max_context, k=k,
                       mtp_window=FLAGS.mtp_window if arm.draft == "mtp" else None, expert_cache=arm.cache,
                       budget=device_budget(FLAGS.device_budget), prefill_chunk=min(prefill_chunk(gen), arm.depth),

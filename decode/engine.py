@@ -42,6 +42,9 @@ class GenConfig:
   expert_slots: int | None = None     # expert cache device slots (None: every expert resident)
   expert_policy: str = "lru"
   prefill_chunk: int | None = None    # tokens per prefill call (None: engine.prefill_chunk's per-backend default)
+  buffer_tokens: int | None = None    # size the static buffers and the ring for this many new tokens (>= max_new):
+                                      # a short request then compiles exactly the loops of a longer one (the
+                                      # bench's compiling run: a few tokens, not a deep cell's whole 256)
   expert_store: str | None = None     # where the expert store lives with expert_slots: None picks
                                       # expert_cache.store_memory_kind() ("pinned_host" on a GPU that has it, else
                                       # "device"); "pinned_host" forces it (jax's CPU client has the kind: tests)
@@ -250,7 +253,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   if not prompt:
     raise RequestError("prompt: empty, expected at least one token")
   slack = k + 1 if k else 0
-  need = len(prompt) + gen.max_new_tokens
+  need = len(prompt) + new_tokens_sized(gen)
   fixed = gen.kv_resident is not None
   max_ctx = gen.max_context or (ring_capacity(need + slack, gen.kv_resident) - slack)
   if need > max_ctx:
@@ -327,6 +330,11 @@ def ring_capacity(need: int, requested: int | None) -> int:
   return cap
 
 
+def new_tokens_sized(gen: GenConfig) -> int:
+  """The new tokens a request's shapes are sized for: max_new_tokens, or buffer_tokens when larger."""
+  return max(gen.max_new_tokens, gen.buffer_tokens or 0)
+
+
 def _buffer_size(n: int) -> int:
   b = 16
   while b < n:
@@ -369,7 +377,8 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
       ids.append(int(token))
     dt = time.perf_counter() - t1
   else:
-    ls = LoopState(state, jnp.zeros(_buffer_size(n), jnp.int32).at[0].set(first), jnp.ones((), jnp.int32), first,
+    ls = LoopState(state, jnp.zeros(_buffer_size(new_tokens_sized(gen)), jnp.int32).at[0].set(first),
+                   jnp.ones((), jnp.int32), first,
                    key, first == eos)
     ls = commit_for_store(ls, params, cfg)       # else the timed call after the compile call compiles again
     kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p)

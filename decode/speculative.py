@@ -39,7 +39,7 @@ from flax import struct
 
 from decode import drafters
 from decode.engine import (GenConfig, GenResult, RequestError, cache_counts, cache_stats, commit_for_store,
-                           request_params, start_request)
+                           new_tokens_sized, request_params, start_request)
 from decode.sampling import sample, target_probs
 from model import api
 from model.config import ModelConfig
@@ -244,7 +244,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   first.block_until_ready()
   ttft = time.perf_counter() - t0 + (st.reused_s or 0.0)
   prefilled = cache_counts(state)
-  H = _hist_size(T + n + k + 2)
+  H = _hist_size(T + new_tokens_sized(gen) + k + 2)
   hist = jnp.zeros((H,), jnp.int32).at[:T].set(jnp.asarray(prompt, jnp.int32)).at[T].set(first)
   replay = jnp.full((H,), -1, jnp.int32)
   if drafter == "replay":

@@ -32,21 +32,30 @@ def test_bench_cells_table_and_records(tmp_path):
 
 
 def test_compile_run_leaves_the_timed_runs_nothing_to_compile():
-  """The bench's untimed first run of an arm compiles every function its timed runs call (same decode buffer,
-  ring and prefill chunk), so a timed run adds no entry to the decode loop's compile cache."""
+  """The bench's untimed first run of an arm generates bench.COMPILE_TOKENS tokens but compiles every function its
+  timed runs call (buffers and ring sized for their max_new_tokens, the same prefill chunk), so a timed run adds
+  no entry to the decode loop's compile cache; a run sized for fewer tokens does."""
   from decode import bench, engine
   from model.loader import default_model_path, load_model
   bench.FLAGS(["bench", "--max_new_tokens", "20", "--max_context", "4096"])
   try:
     model = load_model(default_model_path())
     arm = bench.Arm("R2048-none", ring="2048", depth=40)
-    bench.compile_run(model, arm)                                                # bench.main's compile run
+    first = bench.compile_run(model, arm)                                        # bench.main's compile run
+    assert first["generated_tokens"] == bench.COMPILE_TOKENS < 20                # a few tokens, 20-token buffers
     before = engine.decode_loop._cache_size()
     st = bench.run_cell(model, arm, seed=0, max_new=bench.FLAGS.max_new_tokens)
     assert st["generated_tokens"] == 20
     assert engine.decode_loop._cache_size() == before
     shorter = bench.run_cell(model, arm, seed=0, max_new=16)                      # the old compile run's size
     assert shorter["generated_tokens"] == 16 and engine.decode_loop._cache_size() == before + 1
+    from decode import speculative        # a replay arm: its plain request and its speculative loop
+    drafted = bench.Arm("R2048-replay", ring="2048", depth=40, draft="replay", k=3)
+    bench.compile_run(model, drafted)
+    loops = (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size())
+    st = bench.run_cell(model, drafted, seed=0, max_new=bench.FLAGS.max_new_tokens)
+    assert st["generated_tokens"] == 20 and st["acceptance"] == 1.0
+    assert (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size()) == loops
   finally:
     bench.FLAGS.unparse_flags()
 
