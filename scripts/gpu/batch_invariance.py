@@ -132,13 +132,16 @@ small = dataclasses.replace(cfg, n_layers=a.layers)
 params = with_kernels(api.fuse_qkv(random_params(small, types=quant_policy("IQ3_S", "Q8_0"))), kern)
 prompt = jnp.asarray(rng.integers(0, small.vocab_size, 40), jnp.int32)
 toks = jnp.asarray(rng.integers(0, small.vocab_size, T), jnp.int32)
-for rw in a.glue.split(","):
-  transformer.GLUE_KERNELS = rw == "on"
-  jax.clear_caches()
+
+
+def steps_vs_pass(make_state, prompt, chunk: int):
+  """Logits of T decode steps and of one T-token pass from the same prefilled state: (max |diff| per position,
+  argmax equal per position)."""
   outs = []
   for mode in ("steps", "verify"):
-    st = api.init_state(small, 4096, "int8", scratch=T)
-    _, _, st = api.prefill(params, prompt, st, cfg=small)
+    st = make_state()
+    for c in range(0, len(prompt), chunk):
+      _, _, st = api.prefill(params, prompt[c:c + chunk], st, cfg=small)
     if mode == "steps":
       ls = []
       for t in range(T):
@@ -149,33 +152,29 @@ for rw in a.glue.split(","):
       lg, _, st = api.prefill(params, toks, st, cfg=small)
       outs.append(np.asarray(lg))
   d = np.max(np.abs(outs[0] - outs[1]), axis=-1)
-  same = [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
+  return [f"{v:.2e}" for v in d], [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
+
+
+for rw in a.glue.split(","):
+  transformer.GLUE_KERNELS = rw == "on"
+  jax.clear_caches()
+  d, same = steps_vs_pass(lambda: api.init_state(small, 4096, "int8", scratch=T), prompt, len(prompt))
   print(f"trunk {a.preset} x {a.layers} layers, glue kernels {rw}: {T} steps vs a {T}-token pass, max |diff| per "
-        f"position {[f'{v:.2e}' for v in d]}, argmax equal {same}", flush=True)
+        f"position {d}, argmax equal {same}", flush=True)
 
 # the trunk beside an active host tier (ring 512 under max_context 4,096, a 1,500-token prompt: positions have left
 # the window), as the seed4 arms at 32K and 128K run it
 from decode import engine, host_tier  # noqa: E402
-transformer.GLUE_KERNELS = True
-jax.clear_caches()
-prompt = jnp.asarray(rng.integers(0, small.vocab_size, 1500), jnp.int32)
-outs = []
-for mode in ("steps", "verify"):
+
+
+def tiered_state():
   st = api.init_state(small, 512, "int8", scratch=T)
   st = st.replace(host=host_tier.place_on_host(host_tier.HostTier.like(st.ring, 4096)))
-  st = engine.commit_for_store(st, params, small)
-  for c in range(0, 1500, 250):
-    _, _, st = api.prefill(params, prompt[c:c + 250], st, cfg=small)
-  if mode == "steps":
-    ls = []
-    for t in range(T):
-      lg, _, st = api.decode_step(params, toks[t], st, cfg=small)
-      ls.append(np.asarray(lg))
-    outs.append(np.stack(ls))
-  else:
-    lg, _, st = api.prefill(params, toks, st, cfg=small)
-    outs.append(np.asarray(lg))
-d = np.max(np.abs(outs[0] - outs[1]), axis=-1)
-same = [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
+  return engine.commit_for_store(st, params, small)
+
+
+transformer.GLUE_KERNELS = True
+jax.clear_caches()
+d, same = steps_vs_pass(tiered_state, jnp.asarray(rng.integers(0, small.vocab_size, 1500), jnp.int32), 250)
 print(f"trunk with an active host tier x {a.layers} layers: {T} steps vs a {T}-token pass, max |diff| per position "
-      f"{[f'{v:.2e}' for v in d]}, argmax equal {same}", flush=True)
+      f"{d}, argmax equal {same}", flush=True)

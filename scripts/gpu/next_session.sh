@@ -5,25 +5,25 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-01 (twelfth session: prefill over llama.cpp since f60792b, 1.09x IQ3_S / 1.23x Q4_K end to
-# end; the 32K seed4 arms did not fit a call), in priority order:
-#   0. Issue 7 item 3 on the GPU: the seed4 arms at 32K and 128K (replay and lookup). A 32K request with the tier cost
-#      (tier_probe.py at 835b6f7): seed-mtp weights built in memory 82 s, state + tier 4-5 s, prompt 33 s of which 25 s
-#      two compiles (the second one is gone since 1911e7e: re-run `python3 scripts/gpu/tier_probe.py` first to see
-#      it; `PART=17` runs both steps). Then one pair of arms per call: `python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas
-#      --arms seed4 --only AN,BN --depths 32768 --expert_cache auto --max_new_tokens 256 --seeds 1 --max_context
-#      139264 --reuse_prefill` (then AR,BR; then 131072). A run that ends by timeout leaves its JSONL records.
-#      If compiles still dominate: the spec loop's compile per ring, HostTier.like (4 x 48 eager zeros + transfers).
-#   1. `PART=13 PT13=Q8_0,Q4_K,IQ3_S N13=20 T13=140`, its own call: is a T = 4 verify pass bitwise the steps for
-#      K-quant / IQ projections? (not run in the eleventh or twelfth session)
+# Still open after 2026-12-02 (thirteenth session: exactness beside an active host tier fixed and checked bitwise on the
+# GPU, 9595243 / 8f24a72; the deep seed4 arms still to run), in priority order:
+#   0. Issue 7 item 3 on the GPU: the seed4 arms at 32K and 128K (replay and lookup), re-run since the fix (the 32K
+#      AN/BN cells of 2c1bf31 and AR's 0/255 are pre-fix). One pair per call at 32K: `ONLY17=AN,BN PART=17 T17A=1`
+#      then `ONLY17=AR,BR` (a replay arm's plain and drafted requests share one prefill since 8f24a72, and the
+#      compiling run decodes COMPILE_TOKENS = 8 tokens since b9d0b68). Then 128K (`D17=131072`), one arm per call
+#      (~80 s cold prefill compile, 128 prefill chunks, ~150 ms per tier step). Read the bench's "generated tokens
+#      X vs Y" line: beyond the smaller ring's window the rings may pick other tokens (invariant 1 covers depths
+#      both hold); within one ring replay must accept every draft.
+#   1. The tier's attention for T <= 8 now runs through the decode kernel block by block (ops/attention.tier_attention):
+#      time the deep tier steps against 148-174 ms at 128K (`PART=1`'s host cells or bench_step --cells
+#      32768:131072:auto:pallas:139264).
 #   2. Prefill, further (75.8 ms of kernels at f60792b: IQ3_S gate/up 27.2, down 26.2, Q8_0 projections 8.0,
-#      attention 4.4, the down input's piece transpose 1.7; ~15 ms of host stretches under the profiler). Levers:
-#      gate/up writing h in down's piece order; the jitted prefill call's dispatch over ~1,500 parameter leaves.
-#      `qgemm_check.py --sweep` found no better tile for x1 (defaults stay).
-#   3. The Q4_K 1K decode goal: 327.1 tok/s at f60792b (1.52x), 324.0-326.6 before; levers if it slips: fold the
-#      expert k-sum into the next norm kernel, the x layout of Q5_K / Q6_K / IQ4_*.
-#   4. Deep tier steps (128K: 148-174 ms per step on seed-mtp): host waits per layer and PCIe block moves.
-#   5. Seed 0 of every e2e cell prefills 14-17 % slower than seeds 1-2 (the first timed run after the compiling one).
+#      attention 4.4; ~15 ms of host stretches). Levers: gate/up writing h in down's piece order; the jitted prefill
+#      call's dispatch over ~1,500 parameter leaves. A cold compile of the seed-mtp prefill takes ~80 s.
+#   3. The Q4_K 1K decode goal: 327.1 tok/s at f60792b (1.52x); levers if it slips: fold the expert k-sum into the
+#      next norm kernel, the x layout of Q5_K / Q6_K / IQ4_*.
+#   4. Seed 0 of every e2e cell prefills 14-17 % slower than seeds 1-2 (the first timed run after the compiling one).
+#   PART 13 (K-quant / IQ projections bitwise at T = 4) ran on 2026-12-02: bitwise.
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
