@@ -8,10 +8,11 @@
 # Still open after 2026-12-02 (thirteenth session: exactness beside an active host tier fixed and checked bitwise on the
 # GPU, 9595243 / 8f24a72; the deep seed4 arms still to run), in priority order:
 #   0. Issue 7 item 3 on the GPU: the seed4 arms at 32K and 128K (replay and lookup), re-run since the fix (the 32K
-#      AN/BN cells of 2c1bf31 and AR's 0/255 are pre-fix). One pair per call at 32K: `ONLY17=AN,BN PART=17 T17A=1`
-#      then `ONLY17=AR,BR` (a replay arm's plain and drafted requests share one prefill since 8f24a72, and the
-#      compiling run decodes COMPILE_TOKENS = 8 tokens since b9d0b68). Then 128K (`D17=131072`), one arm per call
-#      (~80 s cold prefill compile, 128 prefill chunks, ~150 ms per tier step). Read the bench's "generated tokens
+#      AN/BN cells of 2c1bf31 and AR's 0/255 are pre-fix). One ring per call: `ONLY17=AN,AR PART=17 T17A=1`, then
+#      `ONLY17=BN,BR` (one process compiles the ring's prefill once, and every request of the ring shares one
+#      prefill: the same scratch beside a tier since 8f24a72; the compiling run decodes COMPILE_TOKENS = 8 tokens
+#      since b9d0b68). Then 128K (`D17=131072`), likely one arm per call (~80 s cold prefill compile, 128 prefill
+#      chunks, ~150 ms per tier step). Read the bench's "generated tokens
 #      X vs Y" line: beyond the smaller ring's window the rings may pick other tokens (invariant 1 covers depths
 #      both hold); within one ring replay must accept every draft.
 #   1. The tier's attention for T <= 8 now runs through the decode kernel block by block (ops/attention.tier_attention):
