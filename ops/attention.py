@@ -151,11 +151,7 @@ def tier_attention(q_THD, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, bl
 
 def merge_lse(o1, lse1, o2, lse2):
   """Exact merge of two attention partials over disjoint key sets (float32)."""
-  M = jnp.maximum(lse1, lse2)
-  M = jnp.where(jnp.isfinite(M), M, 0.0)
-  w1, w2 = jnp.exp(lse1 - M), jnp.exp(lse2 - M)
-  tot = w1 + w2
-  return (o1 * w1[..., None] + o2 * w2[..., None]) / jnp.where(tot > 0, tot, 1.0)[..., None]
+  return merge_lse_pair(o1, lse1, o2, lse2)[0]
 
 
 def _stack(k_ring, v_ring, k_scale, v_scale, layer):
