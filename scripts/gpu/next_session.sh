@@ -24,6 +24,9 @@
 #   3. The Q4_K 1K decode goal: 327.1 tok/s at f60792b (1.52x); levers if it slips: fold the expert k-sum into the
 #      next norm kernel, the x layout of Q5_K / Q6_K / IQ4_*.
 #   4. Seed 0 of every e2e cell prefills 14-17 % slower than seeds 1-2 (the first timed run after the compiling one).
+#   5. Issue 3's figure: part (b) for IQ3_S and Q4_K was last measured at 5017944 (2.15 / 2.28 ms at B = 1, 14 / 18 %
+#      of copy), before the glue kernels, x layouts and tile changes; re-measure beside copy bandwidth in one run:
+#      `python3 -m ops.bench --types IQ3_S,Q4_K --batches 1,4,16 --impls pallas,xla --parts b --iters 10`.
 #   PART 13 (K-quant / IQ projections bitwise at T = 4) ran on 2026-12-02: bitwise.
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
