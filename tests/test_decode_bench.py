@@ -116,7 +116,16 @@ def test_arms_compare_their_generated_tokens_seed_by_seed():
                                                                     "tokens": toks}}
   records = [rec("AN", 0, [5, 6, 7]), rec("AN", 1, [1, 2, 3]), rec("BN", 0, [5, 6, 7]), rec("BN", 1, [1, 9, 3])]
   got = bench._verdicts(records, [("AN", "BN", 0.0, "drafts accepted")])
-  assert got[-1] == "generated tokens AN vs BN: seed 0 identical, seed 1 differ from token 1 of 3", got
+  assert got[-1] == ("generated tokens AN vs BN (reported: beyond the smaller ring's window): seed 0 identical, "
+                     "seed 1 differ from token 1 of 3"), got
+  # where both rings hold the request (invariant 1) it is a bar
+  for r in records:
+    r["config"] = {"depth": 1024, "max_new_tokens": 3, "ring": "32768" if r["arm"] == "AN" else "49152"}
+  got = bench._verdicts(records, [("AN", "BN", 0.0, "drafts accepted")])
+  assert got[-1].startswith("generated tokens AN vs BN (bar: identical, both rings hold the request)")
+  assert got[-1].endswith(": FAIL")
+  records[-1]["stats"]["tokens"] = [1, 2, 3]
+  assert bench._verdicts(records, [("AN", "BN", 0.0, "drafts accepted")])[-1].endswith("seed 1 identical: PASS")
 
 
 def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
