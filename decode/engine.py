@@ -265,8 +265,8 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
     slack = max(slack, TIER_SCRATCH)             # one window for plain and speculative requests on this ring
     host = max_ctx + slack
   if fixed and cap <= 2 * slack:
-    raise RequestError(f"kv_resident {cap} is too small for {k} drafts beside a host tier" if host else
-                       f"kv_resident {cap} is too small for {k} drafts")
+    raise RequestError(f"kv_resident {cap} is too small beside a host tier: expected more than {2 * slack} slots"
+                       if host else f"kv_resident {cap} is too small for {k} drafts")
   params = model.params if params is None else params
   chunk = min(prefill_chunk(gen), cap - slack) if host else prefill_chunk(gen)      # cap - slack: the window
   key = hit = None

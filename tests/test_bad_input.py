@@ -82,6 +82,17 @@ def test_prompt_over_max_context_is_refused():
   assert "exceeds max_context 256" in r.stderr.strip().splitlines()[-1]
 
 
+def test_ring_too_small_beside_a_host_tier_is_refused():
+  """A 16-slot ring beside a host tier keeps 8 scratch slots (engine.TIER_SCRATCH): refused in one line."""
+  from decode import engine
+  from model.loader import load_model
+  m = load_model(model_path("qwen3moe", "F16"))
+  gen = engine.GenConfig(max_new_tokens=4, kv_resident=16, max_context=256, stop_at_eos=False)
+  with pytest.raises(engine.RequestError, match=r"^kv_resident 16 is too small beside a host tier: expected more "
+                                                r"than 16 slots$"):
+    engine.start_request(m, [1, 2, 3], gen)
+
+
 def test_plan_over_the_device_budget_is_refused():
   """A 256K bf16 ring does not fit a 64 MiB budget: one line naming the budget and the largest items."""
   r = subprocess.run([sys.executable, "-m", "decode.generate", "--gguf", model_path("qwen3moe", "F16"),
