@@ -239,6 +239,21 @@ class PrefillCache:
 TIER_SCRATCH = 8
 
 
+def tier_layout(max_context: int, cap: int, k: int) -> tuple[int, int | None]:
+  """(scratch slots, host tier positions or None) of a request with k drafts and `max_context` on a fixed ring of
+  `cap` slots: beside a tier TIER_SCRATCH scratch slots (one window for plain and speculative requests) and a
+  tier indexed by position, max_context plus the scratch; without one k + 1 (0 for a plain request).
+
+  >>> tier_layout(139264, 32768, 3), tier_layout(1000, 4096, 3)
+  ((8, 139272), (4, None))
+  """
+  slack = k + 1 if k else 0
+  if max_context + max(slack, TIER_SCRATCH) <= cap:
+    return slack, None
+  slack = max(slack, TIER_SCRATCH)
+  return slack, max_context + slack
+
+
 def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_window: int | None = None,
                   ring_start: int | None = None, params: dict | None = None,
                   prefill_cache: PrefillCache | None = None) -> Started:
@@ -261,9 +276,8 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
                        f"max_context {max_ctx}")
   cap = ring_capacity((ring_start or need) + slack, gen.kv_resident)
   host = None
-  if fixed and gen.max_context and max_ctx + max(slack, TIER_SCRATCH) > cap:
-    slack = max(slack, TIER_SCRATCH)             # one window for plain and speculative requests on this ring
-    host = max_ctx + slack
+  if fixed and gen.max_context:
+    slack, host = tier_layout(max_ctx, cap, k)
   if fixed and cap <= 2 * slack:
     raise RequestError(f"kv_resident {cap} is too small beside a host tier: expected more than {2 * slack} slots"
                        if host else f"kv_resident {cap} is too small for {k} drafts")

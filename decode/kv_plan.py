@@ -106,9 +106,8 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     items.append(Item("expert store", expert_bytes, "host"))
   items.append(Item("main ring", ring * kv_bytes_per_token(cfg, cfg.n_layers, kv), mode=0))
   if max_context and max_context > ring:
-    # indexed by position (decode/host_tier.py): max_context plus the scratch slots of a request beside a tier
-    from decode.engine import TIER_SCRATCH
-    tier = max_context + max(k + 1, TIER_SCRATCH)
+    from decode.engine import tier_layout     # indexed by position: max_context plus the scratch slots
+    tier = tier_layout(max_context, ring, k)[1]
     items.append(Item("host tier", tier * kv_bytes_per_token(cfg, cfg.n_layers, kv), "host", mode=1))
   if cfg.n_nextn and mtp_window:
     items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv), mode=2))

@@ -330,7 +330,8 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
   q_pos_T = jnp.asarray(q_pos_T, jnp.int32)
   oldest = jnp.maximum(length - R, 0)
   lo_T = jnp.full((T,), oldest, jnp.int32) if lo_T is None else jnp.maximum(jnp.asarray(lo_T, jnp.int32), oldest)
-  first, n_tiles = live_tiles(jnp.min(lo_T) + R, jnp.max(q_pos_T), R, bk)
+  first = jnp.min(lo_T) // bk                                   # the oldest row's first tile
+  n_tiles = jnp.max(q_pos_T) // bk - first + 1
   meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, n_tiles, 0, 0, 0, 0, 0]).astype(jnp.int32)
 
   if GATHER_Q:
