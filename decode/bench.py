@@ -73,6 +73,9 @@ flags.DEFINE_bool("reuse_prefill", False, "arms that share a prompt, ring, tier 
                   "prefill dwarfs the decode")
 flags.DEFINE_string("cells", "/tmp/moejax-bench/cells.jsonl", "JSONL output (one record per timed run)")
 flags.DEFINE_string("plot", None, "PNG of decode tok/s against depth per arm (default: beside --cells)")
+flags.DEFINE_list("report", None, "JSONL files of earlier runs: print their table, verdicts and plot for the arms the "
+                  "other flags name, and run nothing (arms measured in separate processes or device calls, e.g. "
+                  "one seed4 ring per call)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,9 +356,40 @@ def _plot(records, arms, path):
   fig.savefig(path, dpi=120)
 
 
+def report(paths: list[str]) -> str:
+  """The table, verdicts and plot of records already written (--report): one record per timed run, kept where its
+  arm is one of the flags' arms at that arm's depth; a later record of the same arm and seed replaces an earlier."""
+  arms, bars = _arms()
+  want = {(a.name, a.depth) for a in arms}
+  kept = {}
+  for p in paths:
+    with open(p) as f:
+      for n, line in enumerate(f, 1):
+        try:
+          r = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{p}:{n}: not a JSON record ({e.msg})") from None
+        if (r.get("arm"), r.get("config", {}).get("depth")) in want:
+          kept[(r["arm"], r.get("seed"))] = r
+  if not kept:
+    raise ValueError(f"--report {','.join(paths)}: no record of the arms {sorted(n for n, _ in want)}")
+  records = list(kept.values())
+  runs = {(r.get("commit"), r.get("device")) for r in records}
+  lines = [f"{len(records)} records from {len(paths)} files; commit/device: "
+           + "; ".join(f"{c} on {d}" for c, d in sorted(runs, key=str)), "", _table(records, arms)]
+  lines += _verdicts(records, bars)
+  if FLAGS.plot:
+    _plot(records, arms, FLAGS.plot)
+    lines.append(f"plot: {FLAGS.plot}")
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  if FLAGS.report:
+    print(report(FLAGS.report))
+    return
   from tqdm import tqdm
 
   from model.loader import default_model_path, load_model

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_cells_table_and_records(tmp_path):
   cells = tmp_path / "cells.jsonl"
@@ -171,3 +173,33 @@ def test_random_params_are_the_loaded_files_params_on_any_thread_count(tmp_path)
   assert shapes(fuse_qkv(one)) == shapes(loaded)
   assert not np.array_equal(np.asarray(jax.tree.leaves(one)[0]),
                             np.asarray(jax.tree.leaves(random_params(TINY_QWEN3MOE, types=types, seed=6))[0]))
+
+
+def test_report_joins_records_of_separate_runs(tmp_path):
+  """--report: the seed4 arms of one depth, measured one ring per process, make one table and one set of verdicts;
+  records of other depths are left out, and a later record of the same arm and seed replaces an earlier one."""
+  from decode import bench
+  def rec(arm, ring, seed, tps, acc, toks, depth=32768):
+    return {"arm": arm, "seed": seed, "commit": "abc", "device": "gpu",
+            "config": {"depth": depth, "max_new_tokens": 3, "ring": ring, "draft": "lookup"},
+            "stats": {"decode_tok_s": tps, "prefill_tok_s": None, "drafts_accepted": acc, "drafts_proposed": [4],
+                      "tokens": toks, "rounds": 4, "mean_accepted_len": 0.0,
+                      "bytes_model": {"step_bytes": 1.0, "round_bytes": 1.5}}}
+  a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+  a.write_text("\n".join(json.dumps(r) for r in [rec("AN", "32768", 0, 50.0, [0], [1, 2, 3]),
+                                                 rec("AN", "32768", 0, 60.0, [1], [1, 2, 3], depth=1024)]) + "\n")
+  b.write_text("\n".join(json.dumps(r) for r in [rec("BN", "49152", 0, 10.0, [0], [1, 2, 4]),
+                                                 rec("BN", "49152", 0, 100.0, [0], [1, 2, 3])]) + "\n")
+  try:
+    bench.FLAGS(["bench", "--arms", "seed4", "--only", "AN,BN", "--depths", "32768"])
+    out = bench.report([str(a), str(b)])
+    assert out.startswith("2 records from 2 files; commit/device: abc on gpu"), out
+    assert "BN/AN decode tok/s = 2.000 (deep cell: reported, no bar)" in out      # 100 replaced 10; 60 is at 1K
+    assert "drafts accepted AN [[0]] vs BN [[0]] (bar: identical): PASS" in out
+    assert "generated tokens AN vs BN (reported: beyond the smaller ring's window): seed 0 identical" in out
+    bench.FLAGS.unparse_flags()
+    bench.FLAGS(["bench", "--arms", "seed4", "--only", "AS,BS", "--depths", "32768"])
+    with pytest.raises(ValueError, match="no record of the arms"):
+      bench.report([str(a)])
+  finally:
+    bench.FLAGS.unparse_flags()

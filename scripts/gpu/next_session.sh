@@ -136,8 +136,9 @@ case "${PART:-1}" in
     --kernels pallas --drafts none --depths 1024 --max_new_tokens 256 --seeds 3 --experts $x --cells $OUT/e2e.jsonl 2>&1 | filt | tail -3; done ;;
 17) # issue 7 item 3: a deep request with the host tier stage by stage (the second prefill compile is gone since 1911e7e?
     # random_params threaded since 5924a88?), then one pair of seed4 arms at one depth (ONLY17=AN,BN | AR,BR | AS,BS;
-    # D17=32768 | 131072), records per timed run in seed4-deep.jsonl (they survive a timeout)
-  timeout ${T17A:-240} python3 scripts/gpu/tier_probe.py --preset seed-mtp --depth ${D17:-32768} --ring 32768 --max_context 139264 --requests ${R17:-lookup} --steps 32 \
+    # D17=32768 | 131072), records per timed run in seed4-deep.jsonl (they survive a timeout); T17A=0 skips the probe.
+    # Join the calls' records into one table with `python -m decode.bench --arms seed4 --depths D --report a,b`
+  [ "${T17A:-240}" != 0 ] && timeout ${T17A:-240} python3 scripts/gpu/tier_probe.py --preset seed-mtp --depth ${D17:-32768} --ring 32768 --max_context 139264 --requests ${R17:-lookup} --steps 32 \
     2>&1 | tr '\r' '\n' | grep --line-buffered -E "^stage|^  chunk|Error" | tee $OUT/tier.log
   [ "${T17B:-400}" != 0 ] && timeout ${T17B:-400} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 \
     --only ${ONLY17:-AN,BN} --depths ${D17:-32768} --expert_cache auto --max_new_tokens 256 --seeds ${SEEDS:-1} --max_context 139264 \
