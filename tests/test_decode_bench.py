@@ -27,6 +27,7 @@ def test_bench_cells_table_and_records(tmp_path):
       assert sum(st["expert_cache"]["misses"]) > 0 and st["expert_cache"]["slots"] == 6
     if "replay" in x["arm"]:
       assert st["acceptance"] == 1.0
+      assert st["plain"]["decode_tok_s"] > 0 and st["prefill_tok_s"] > 0    # the plain request it replays
       bm = st["bytes_model"]
       assert bm["draft_bytes"] == 0 and 1.0 < bm["round_over_step"] < 3.0     # union of 3 tokens' experts
   out = r.stdout
@@ -203,3 +204,17 @@ def test_report_joins_records_of_separate_runs(tmp_path):
       bench.report([str(a)])
   finally:
     bench.FLAGS.unparse_flags()
+
+
+def test_replay_without_a_plain_arm_compares_with_its_own_plain_requests():
+  """A replay run makes the plain request it drafts from: where no plain arm ran (seed4's AR/BR), the speed-up is
+  measured against those requests, and a replay run whose drafted request reused the plain one's prefill reports
+  the plain one's prefill speed."""
+  from decode import bench
+  arms = [bench.Arm("AR", "32768", "replay", "int8", 1024, 3, "all")]
+  st = lambda tps, plain: {"decode_tok_s": tps, "plain": {"decode_tok_s": plain}, "rounds": 4,  # noqa: E731
+                           "drafts_proposed": [4, 4, 4], "mean_accepted_len": 3.0,
+                           "bytes_model": {"step_bytes": 1.0, "round_bytes": 1.5}}
+  recs = [{"arm": "AR", "seed": s, "stats": st(t, p)} for s, (t, p) in enumerate([(300.0, 100.0), (330.0, 110.0),
+                                                                                    (280.0, 120.0)])]
+  assert bench._speedups(recs, arms, arms[0]) == "2.73x (its plain requests) (model 2.67x)"   # 300 / 110
