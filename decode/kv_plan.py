@@ -94,9 +94,10 @@ class MemoryPlan:
 
 def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16", max_context: int | None = None,
               mtp_window: int | None = None, k: int = 0, expert_bytes: int = 0, expert_cache_bytes: int | None = None,
-              prefill_chunk: int = 1024, budget: int | None = None) -> MemoryPlan:
+              prefill_chunk: int = 1024, budget: int | None = None, fixed_ring: bool = True) -> MemoryPlan:
   """The plan for one request shape. weight_bytes: all params; expert_bytes: the routed experts' share of it;
-  expert_cache_bytes: device slots when experts are cached (None: all resident)."""
+  expert_cache_bytes: device slots when experts are cached (None: all resident). fixed_ring: the ring is the
+  request's --kv_resident; False for an auto ring (the request's bucket), which grows and never gets a host tier."""
   items = []
   if expert_cache_bytes is None:
     items.append(Item("weights", weight_bytes))
@@ -105,7 +106,7 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     items.append(Item("expert cache slots", expert_cache_bytes))
     items.append(Item("expert store", expert_bytes, "host"))
   items.append(Item("main ring", ring * kv_bytes_per_token(cfg, cfg.n_layers, kv), mode=0))
-  if max_context and max_context > ring:
+  if fixed_ring and max_context and max_context > ring:
     from decode.engine import tier_layout     # indexed by position: max_context plus the scratch slots
     tier = tier_layout(max_context, ring, k)[1]
     items.append(Item("host tier", tier * kv_bytes_per_token(cfg, cfg.n_layers, kv), "host", mode=1))
@@ -151,17 +152,18 @@ def device_budget(flag: str | None) -> int | None:
 
 
 def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_window: int | None, k: int,
-                 expert_cache: str = "all", budget: int | None = None,
-                 prefill_chunk: int = 1024, cached_chunk: int | None = None) -> tuple[MemoryPlan, int | None]:
+                 expert_cache: str = "all", budget: int | None = None, prefill_chunk: int = 1024,
+                 cached_chunk: int | None = None, fixed_ring: bool = True) -> tuple[MemoryPlan, int | None]:
   """The plan of one request and the expert-cache slots it gives: (plan, slots or None for all resident).
 
   expert_cache: "all" | "auto" (slots from what is free after everything else; all resident, slots None, when
   every expert fits) | a number of slots.
   prefill_chunk: tokens per prefill call (the workspace; the engine's is decode.engine.prefill_chunk(gen));
-  cached_chunk: the same when experts run from slots (default prefill_chunk; the engine's GPU default is 8)."""
+  cached_chunk: the same when experts run from slots (default prefill_chunk; the engine's GPU default is 8);
+  fixed_ring: as make_plan's (False for an auto ring: no host tier)."""
   total, experts = param_bytes(model.params)
   base = dict(weight_bytes=total, expert_bytes=experts, ring=ring, kv=kv, max_context=max_context,
-              mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk)
+              mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk, fixed_ring=fixed_ring)
   if expert_cache == "all":
     return make_plan(model.cfg, **base).check(), None
   from decode import expert_cache as xc

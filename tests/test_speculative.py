@@ -6,6 +6,7 @@ Sampling: rejection-sampling verification has the target distribution (chi-squar
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -197,3 +198,9 @@ def test_memory_plan_counts_the_host_tier_the_engine_allocates():
     host = engine.start_request(m, _prompt(300, seed=7), gen, k=k).state.host
     plan = make_plan(m.cfg, weight_bytes=0, ring=256, kv="int8", max_context=1024, k=k)
     assert plan.get("host tier") == sum(x.nbytes for x in jax.tree.leaves(host)) > 0
+  # an auto ring grows to hold the request and never gets a tier: the plan lists none
+  auto = dataclasses.replace(gen, kv_resident=None)
+  started = engine.start_request(m, _prompt(300, seed=7), auto, k=3)
+  assert started.state.host is None and started.grow
+  plan = make_plan(m.cfg, weight_bytes=0, ring=started.cap, kv="int8", max_context=1024, k=3, fixed_ring=False)
+  assert plan.get("host tier") == 0 and plan.get("main ring") > 0
