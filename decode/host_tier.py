@@ -12,10 +12,11 @@ The tier is indexed by position (slot p), capacity C, same dtype and scales as t
 are placed in pinned host memory (`place_on_host`); on CPU it is ordinary memory unless a test forces the
 kind. Inside the jitted step a tier in host memory takes only dynamic slices and updates: attention slices the
 visited blocks (`tier_block` positions each, live positions only) and moves them to the device, and `evict`
-writes T rows back. Measured on the GPU (docs/PERF.md, "Decode step against ring capacity and depth"): the step
-runs and is exact but was slow (~230 ms at 32K depth), which the ring's part of attention running as a jnp
-block loop beside the tier accounts for; it now runs on the decode kernel (unmeasured). Each tier block read
-crosses PCIe (4 MB per 4,096 positions and layer at int8), the tier's inherent cost.
+writes T rows back. On a GPU both parts of attention run on the Pallas kernels: the ring's part as without a
+tier, the tier's block by block (the decode kernel for steps and verify passes, the prefill kernel for prefill
+chunks). Each tier block read crosses PCIe (4 MB per 4,096 positions and layer at int8), the tier's inherent
+cost: a seed-mtp step at 128K depth with a 32,768-slot ring took ~150 ms on the H200 (docs/PERF.md, "The seed
+experiment on the seed-mtp shape").
 """
 from __future__ import annotations
 

@@ -124,16 +124,23 @@ def tier_attention(q_THD, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, bl
   """Attention of T queries over a host tier (one layer [C, Hkv, Dh], position p in slot p), row t seeing
   positions 0 .. q_hi_T[t] (-1: none): (out [T, Hq, Dh], lse [T, Hq], -inf where nothing is visible).
 
-  The visited blocks of `tier_block` positions move to the device one at a time. With the decode kernel
-  (impl as ring_attention's, T <= MAX_T) each block runs through it as a ring of one block, and the blocks'
-  partials fold in block order (merge_lse_pair): every row's arithmetic is then its own, the same in a verify
-  pass as in the step at that position (DESIGN invariant 3). Otherwise the reference walks the tier directly."""
+  The visited blocks of `tier_block` positions move to the device one at a time. With a kernel (impl as
+  ring_attention's) each block runs through it as a ring of one block, and the blocks' partials fold in block
+  order (merge_lse_pair). Decode and verify (T <= MAX_T) take the decode kernel: every row's arithmetic is then
+  its own, the same in a verify pass as in the step at that position (DESIGN invariant 3). Prefill chunks take
+  the prefill kernel, which never holds a [T, Hq, block] score array (the reference's is 512 MB per 4,096-position
+  block at T = 1,024 on the seed-mtp shape). Otherwise the reference walks the tier directly."""
   T, Hq, Dh = q_THD.shape
   C = k.shape[0]
   chosen = impl or default_impl(T)
   q_hi_T = jnp.asarray(q_hi_T, jnp.int32)
-  if chosen == "ref" or T > attention_pallas.MAX_T or attention_pallas.supported(
-      T, Hq, k.shape[-2], Dh, block, k) is not None:
+  if T <= attention_pallas.MAX_T:
+    kernel = None if attention_pallas.supported(T, Hq, k.shape[-2], Dh, block, k) else \
+        attention_pallas.ring_attention_pallas
+  else:
+    kernel = None if prefill_attention_pallas.supported(Hq, k.shape[-2], Dh, block) else \
+        prefill_attention_pallas.prefill_attention_pallas
+  if chosen == "ref" or kernel is None:
     return attention_with_lse(q_THD, k, v, k_scale, v_scale, q_hi_T, C, None, block=tier_block, scale=scale)
   tb = tier_block
 
@@ -141,8 +148,8 @@ def tier_attention(q_THD, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, bl
     start = b * tb
     blk = [None if x is None else _rows(x, None, start, tb) for x in (k, v, k_scale, v_scale)]
     hi = jnp.minimum(q_hi_T, start + tb - 1)        # the block as a ring of tb slots holding [start, start + tb)
-    o, lse = attention_pallas.ring_attention_pallas(q_THD, *blk, hi, start + tb, block=min(block, tb),
-                                                    scale=scale, interpret=chosen == "interpret", with_lse=True)
+    o, lse = kernel(q_THD, *blk, hi, start + tb, block=min(block, tb), scale=scale, interpret=chosen == "interpret",
+                    with_lse=True)
     return merge_lse_pair(*carry, o, lse)
 
   init = (jnp.zeros((T, Hq, Dh), jnp.float32), jnp.full((T, Hq), -jnp.inf, jnp.float32))

@@ -21,7 +21,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 from decode.kv_ring import KVRing
-from ops import attention, attention_pallas
+from ops import attention, attention_pallas, prefill_attention_pallas
 from ops.attention import ring_attention, ring_attention_ref, ring_attention_ref_chunked
 from ops.attention_pallas import ring_attention_pallas, split_schedule, live_tiles
 
@@ -323,18 +323,22 @@ def test_per_row_windows_match_float64(impl):
   np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["ref", "interpret"])
-def test_tier_attention_per_row_bounds_match_float64(impl):
+@pytest.mark.parametrize("impl,T", [("ref", 4), ("interpret", 4), ("ref", 12), ("interpret", 12)])
+def test_tier_attention_per_row_bounds_match_float64(impl, T):
   """attention.tier_attention over a tier of 3 blocks: row t sees positions 0 .. q_hi[t] (-1: none, lse -inf), on
-  the reference and on the decode kernel block by block (folded with merge_lse_pair), against float64."""
+  the reference and block by block through a kernel (folded with merge_lse_pair), against float64: the decode
+  kernel for T = 4, the prefill kernel for T = 12 (> MAX_T: a prefill chunk beside the tier)."""
   C, hkv, G, tb = 192, 2, 2, 64
   rng = np.random.default_rng(4)
   k = rng.standard_normal((C, hkv, DH)).astype(np.float32)
   v = rng.standard_normal((C, hkv, DH)).astype(np.float32)
-  q = _q(4, hkv * G, seed=5)
+  q = _q(T, hkv * G, seed=5)
+  assert attention_pallas.supported(4, hkv * G, hkv, DH, 32, k) is None       # the kernels take these calls
+  assert prefill_attention_pallas.supported(hkv * G, hkv, DH, 32) is None
   for q_hi in ([130, 131, 132, 133], [-1, 0, 63, 64], [-1, -1, -1, -1]):
+    q_hi = (q_hi * 3)[:T]
     hi = np.asarray(q_hi)
-    want, want_lse = _np_attention(q, k, v, np.zeros(4, int), hi, SCALE)
+    want, want_lse = _np_attention(q, k, v, np.zeros(T, int), hi, SCALE)
     out, lse = attention.tier_attention(q, jnp.asarray(k), jnp.asarray(v), None, None, jnp.asarray(hi, jnp.int32),
                                         tier_block=tb, block=32, scale=SCALE, impl=impl)
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6, err_msg=str(q_hi))
