@@ -47,6 +47,9 @@ flags.DEFINE_boolean("interpret", False, "run the Pallas kernels in interpret mo
 flags.DEFINE_enum("layer_loop", "unroll", ["unroll", "scan"], "layers unrolled (as the model) or a lax.scan "
                   "(XLA's GPU while loop syncs with the host every iteration)")
 flags.DEFINE_boolean("compile_probe", False, "time the compile of 1 and 8 identical Pallas MoE calls first")
+flags.DEFINE_string("profile", None, "folder: after each type's cells, trace --iters calls of its part (b) Pallas step "
+                    "at the first batch with jax.profiler (DIR/TYPE; summarise with scripts/gpu/trace_summary.py "
+                    "--steps ITERS: per-kernel time per step and the device's idle gaps)")
 
 D, F, E, TOPK, NPROJ = 2048, 768, 128, 8, 4096
 SWEEP_LAYERS = 16
@@ -370,6 +373,19 @@ def main(argv):
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
           emit(rec)
           prog.step(f"{qn} {impl} B={B} {part}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
+    if FLAGS.profile:      # where a part (b) step's time goes: kernels, the fusions between them, idle gaps
+      if "bf16" in FLAGS.impls and q == FLAGS.types[0]:       # the bf16 cells replaced the quantized experts
+        layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L)
+      B = batches[0]
+      ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B)
+      x = jax.random.normal(jax.random.PRNGKey(3), (B, D), jnp.float32)
+      fn = _step_fn("pallas", None, FLAGS.layer_loop)
+      jax.block_until_ready(fn(x, ids, w, layers))
+      with jax.profiler.trace(os.path.join(FLAGS.profile, q), create_perfetto_trace=True):
+        for _ in range(FLAGS.iters):
+          y = fn(x, ids, w, layers)
+        jax.block_until_ready(y)
+      print(f"profile {q}: {FLAGS.iters} part (b) steps at B = {B} traced into {FLAGS.profile}/{q}", flush=True)
     del layers
 
   # markdown table, last

@@ -5,29 +5,27 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-02 (thirteenth session: exactness beside an active host tier fixed and checked bitwise on the
-# GPU, 9595243 / 8f24a72; the deep seed4 arms still to run), in priority order:
-#   0. Issue 7 item 3 on the GPU: the seed4 arms at 32K and 128K (replay and lookup), re-run since the fix (the 32K
-#      AN/BN cells of 2c1bf31 and AR's 0/255 are pre-fix). One ring per call: `ONLY17=AN,AR PART=17 T17A=1`, then
-#      `ONLY17=BN,BR` (one process compiles the ring's prefill once, and every request of the ring shares one
-#      prefill: the same scratch beside a tier since 8f24a72; the compiling run decodes COMPILE_TOKENS = 8 tokens
-#      since b9d0b68). Then 128K (`D17=131072`), likely one arm per call (~80 s cold prefill compile, 128 prefill
-#      chunks, ~150 ms per tier step). Read the bench's "generated tokens
-#      X vs Y" line: beyond the smaller ring's window the rings may pick other tokens (invariant 1 covers depths
-#      both hold); within one ring replay must accept every draft.
-#   1. The tier's attention for T <= 8 now runs through the decode kernel block by block (ops/attention.tier_attention):
-#      time the deep tier steps against 148-174 ms at 128K (`PART=1`'s host cells or bench_step --cells
-#      32768:131072:auto:pallas:139264).
-#   2. Prefill, further (75.8 ms of kernels at f60792b: IQ3_S gate/up 27.2, down 26.2, Q8_0 projections 8.0,
-#      attention 4.4; ~15 ms of host stretches). Levers: gate/up writing h in down's piece order; the jitted prefill
-#      call's dispatch over ~1,500 parameter leaves. A cold compile of the seed-mtp prefill takes ~80 s.
-#   3. The Q4_K 1K decode goal: 327.1 tok/s at f60792b (1.52x); levers if it slips: fold the expert k-sum into the
-#      next norm kernel, the x layout of Q5_K / Q6_K / IQ4_*.
-#   4. Seed 0 of every e2e cell prefills 14-17 % slower than seeds 1-2 (the first timed run after the compiling one).
-#   5. Issue 3's figure: part (b) for IQ3_S and Q4_K was last measured at 5017944 (2.15 / 2.28 ms at B = 1, 14 / 18 %
-#      of copy), before the glue kernels, x layouts and tile changes; re-measure beside copy bandwidth in one run:
-#      `python3 -m ops.bench --types IQ3_S,Q4_K --batches 1,4,16 --impls pallas,xla --parts b --iters 10`.
-#   PART 13 (K-quant / IQ projections bitwise at T = 4) ran on 2026-12-02: bitwise.
+# Still open after 2026-12-02 (fourteenth session: the seed4 arms at 32K (AR, BR, AN, BN, 3 seeds) and 128K (AR, BR)
+# ran at 61ac0a8, replay 192/192 everywhere; issue 3's part (b) re-measured), in priority order:
+#   0. Issue 7 item 3: AN and BN at 128K on the GPU, one per call on a warm machine (the compiling run prefills the
+#      128K prompt: 160-190 s at 61ac0a8, less since 04e4c53 if the tier's prefill part was the cost), e.g.
+#      `ONLY17=AN D17=131072 SEEDS=1 T17A=0 T17B=540 PART=17`, then `ONLY17=BN`. Read TTFT of the compiling run
+#      against 191 s (AR) / 158 s (BR): 04e4c53 moved the tier's part of prefill from the XLA reference (a [1024, 32,
+#      4096] f32 score array per block and layer) to the Pallas prefill kernel, unmeasured. Join the calls' records
+#      with `python -m decode.bench --arms seed4 --depths 131072 --report a.jsonl,b.jsonl` (with
+#      docs/perf-data/2026-12-02b/seed4-128k-*.jsonl).
+#   1. Issue 7 item 5 at the current commit: the e2e cells at 1K and 32K for both expert types (PART 16 with
+#      T16A=0 and the 32K depth, or `decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas --drafts none
+#      --depths 1024,32768 --max_new_tokens 256 --seeds 3 --experts X`). The strided split-K schedule (8f24a72) and
+#      the per-row windows changed the decode kernel since the last cells (f60792b / 9185ec9); the Q4_K 1K cell was
+#      1.52x, 1 % over the goal.
+#   2. Issue 3: where part (b)'s 42.5 us per layer goes at B = 1 (the instruction count bounds Q4_K near 5.3 us per
+#      layer, so the gap is not dequantization arithmetic): `PART=18` (a KS / stage / BN sweep against the default,
+#      then a trace per type summarised per kernel with the idle gaps).
+#   3. The first prefill of a new prompt after a cached one took 16-19 s at 32K against 8.6 s for the next (seed 1
+#      vs seed 2, both rings): likely the pinned allocation of a second 6.9 GB tier while the cache holds the first.
+#   4. Prefill levers (75.8 ms of kernels at f60792b; gate/up writing h in down's piece order; the dispatch over
+#      ~1,500 parameter leaves); seed 0's prefill 14-17 % slower in every e2e cell.
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
@@ -143,6 +141,15 @@ case "${PART:-1}" in
   [ "${T17B:-400}" != 0 ] && timeout ${T17B:-400} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 \
     --only ${ONLY17:-AN,BN} --depths ${D17:-32768} --expert_cache auto --max_new_tokens 256 --seeds ${SEEDS:-1} --max_context 139264 \
     --reuse_prefill --cells $OUT/seed4-deep.jsonl 2>&1 | filt | grep -vE "^(W|I)[0-9]" | tee $OUT/seed4-deep.log | tail -12 ;;
+18) # issue 3: part (b) at B = 1 taken apart. A sweep against the default (split K of gate/up over KS programs, stages,
+    # row tiles), then --profile: a trace of 10 part (b) steps per type, summarised per kernel with the idle gaps
+  SW='[{},{"gateup":{"KS":2}},{"gateup":{"KS":4}},{"gateup":{"KS":8}},{"gateup":{"num_stages":3},"down":{"num_stages":3}},
+      {"gateup":{"BN":8,"KS":2}},{"down":{"BN":32}},{}]'
+  timeout ${T18:-420} python3 -m ops.bench --out $OUT/kern18 --types ${TY18:-IQ3_S,Q4_K} --batches 1 --parts b --impls pallas \
+    --sweep "$SW" --sweep_layers 48 --iters 10 --profile $OUT/trace18 2>&1 | filt | grep -E "^(sweep|copy|\||profile)"
+  for t in $OUT/trace18/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
+    [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 10 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
+  head -40 $OUT/trace18/*.summary.txt ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)
