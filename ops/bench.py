@@ -39,7 +39,8 @@ flags.DEFINE_list("impls", ["pallas", "xla", "bf16"], "implementations")
 flags.DEFINE_integer("layers", 48, "layers in part b")
 flags.DEFINE_integer("iters", 10, "timed calls per cell (median)")
 flags.DEFINE_boolean("check", False, "first compare the compiled kernels with the reference on small shapes")
-flags.DEFINE_string("sweep", "", "JSON list of tile overrides {'gateup': {...}, 'down': {...}, 'proj': {...}}: "
+flags.DEFINE_string("sweep", "", "JSON list of tile overrides {'gateup': {...}, 'down': {...}, 'proj': {...}, "
+                    "'fold_k': bool (qmatmul_pallas.FOLD_K, the Q4_K / Q5_K tile's form)}: "
                     "part b/a at B=1 for each, before the main run")
 flags.DEFINE_integer("sweep_layers", 16, "layers per sweep cell")
 flags.DEFINE_list("shape", ["2048", "768", "128", "8", "4096"], "D, F, experts, top-k, projection rows (smoke tests)")
@@ -283,6 +284,8 @@ def main(argv):
   from ops.qtensor import QTensor
 
   global D, F, E, TOPK, NPROJ, SWEEP_LAYERS
+  from ops import qmatmul_pallas as _qp
+  fold_default = _qp.FOLD_K
   SWEEP_LAYERS = FLAGS.sweep_layers
   D, F, E, TOPK, NPROJ = (int(v) for v in FLAGS.shape)
   if FLAGS.interpret:
@@ -328,6 +331,12 @@ def main(argv):
       ids, w = _routing(jax.random.PRNGKey(11), L, 1)
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
+      ov = dict(ov)
+      from ops import qmatmul_pallas
+      fold = ov.pop("fold_k", qmatmul_pallas.FOLD_K)       # the K-quant tile's form, read at trace time
+      if fold != qmatmul_pallas.FOLD_K:
+        qmatmul_pallas.FOLD_K = fold
+        jax.clear_caches()                                 # the kernels' jit caches do not key on it
       try:
         t = median_seconds(_step_fn("pallas", ov, FLAGS.layer_loop), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
         rec.update(ms=t * 1e3, layers=SWEEP_LAYERS, GBps=_routed_bytes(ids[:SWEEP_LAYERS], per_expert) / t / 1e9)
@@ -339,6 +348,9 @@ def main(argv):
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       emit(rec)
       prog.step(f"sweep {q} {si}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
+    if _qp.FOLD_K != fold_default:                         # the cells below run the default form
+      _qp.FOLD_K = fold_default
+      jax.clear_caches()
     for impl in sorted(FLAGS.impls, key=lambda i: i == "bf16"):   # bf16 last: it replaces the weights
       if impl == "bf16":
         if q != FLAGS.types[0]:

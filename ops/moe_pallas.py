@@ -68,7 +68,7 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
     xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     g = qp.TILES[qtype](lambda name, *idx: G[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     u = qp.TILES[qtype](lambda name, *idx: U[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
-    return jnp.sum(g, axis=1), jnp.sum(u, axis=1)
+    return qp.row_sums(g), qp.row_sums(u)
 
   zero = jnp.zeros((BN,), F32)
   g, u = qp.k_loop(nb // KS, S, unroll, tile_sums, (zero, zero))
@@ -91,7 +91,7 @@ def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, 
   def tile_sums(b0, s):
     xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
-    return (jnp.sum(y, axis=1),)
+    return (qp.row_sums(y),)
 
   (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
   o_ref[p, rows] = w_ref[p] * y

@@ -116,6 +116,19 @@ def _iota(shape, dim):
   return jax.lax.broadcasted_iota(U32, shape, dim)
 
 
+# Q4_K / Q5_K tiles keep their contribution word-shaped and leave one reduction to the caller (_tile_q45_k); False:
+# the per-sub-block form (a reduction over the words and a sum of x for each of the 8 sub-blocks). Read at trace time.
+FOLD_K = True
+
+
+def row_sums(t):
+  """[BN] from a tile's contribution [BN, S, ...]: the sum over everything but the rows, last axis first (one axis
+  per reduction: Pallas' Triton lowering of a multi-axis sum fails under an explicit mesh, jax 0.11.2)."""
+  while t.ndim > 1:
+    t = jnp.sum(t, axis=-1)
+  return t
+
+
 def _accumulate(fs, xc):
   """sum_c fs[c] * xc[c][None] and sum_c xc[c] (fs [BN, ...], xc [...])."""
   a = x = None
@@ -126,7 +139,7 @@ def _accumulate(fs, xc):
 
 
 # ---------------------------------------------------------------------------------------- tiles per type
-# tile(ld, xs, tab) -> [contribution [BN, S] for each x in xs]
+# tile(ld, xs, tab) -> [contribution [BN, S, ...] for each x in xs] (callers sum all but the rows: row_sums)
 #   ld(name, *idx): plane `name` at the tile's rows and blocks, then idx -> [BN, S, ...]
 #   xs[b](*idx): token b's x at the tile's blocks, then idx (over XVIEW[qtype]) -> [S, ...]
 #   tab: the type's table ref (see `table`).
@@ -159,13 +172,21 @@ def _k_scale_min(h1, h2, h3, k: int):
 def _tile_q45_k(ld, xs, tab, five: bool):
   """Q4_K / Q5_K superblock (256): hdr 4 words (d|dmin<<16, 12 scale bytes) | [Q5_K: qh 8 words, bit 8c+k of
   word j = bit 4 of value 32k + 4j + c] | qs [4 i, 8 j] words, byte c nibble h = value 64i + 32h + 4j + c.
-  Sub-block k = 2i + h of 32 values: x = (d * sc_k) * q - dmin * mn_k."""
+  Sub-block k = 2i + h of 32 values: x = (d * sc_k) * q - dmin * mn_k.
+
+  With FOLD_K (the default) the contribution stays word-shaped, [BN, S, 8], summed once by the caller: with
+  f = 1 + q / 2^bits, sum q x = 2^bits (sum f x - sum x), so word j adds 2^bits ds a_j - (2^bits ds + dm) xw_j
+  (a_j = sum_c f_c x_c, xw_j = sum_c x_c). The per-sub-block form reduces over the words and over x for each of
+  the 8 sub-blocks; on sm_90 that compiled to cross-thread reductions and 8 layout conversions of the x sums
+  through shared memory per step (24 barriers in the gate/up kernel: scripts/kernel_sass.py)."""
   h = [ld("hdr", k) for k in range(4)]                                 # [BN, S] each
   d, dmin = _f16lo(h[0]), _f16hi(h[0])
   qh = ld("qh", slice(None)) if five else None                         # [BN, S, 8]
   bits = 5 if five else 4
   one = tab[ONE]
   out = [0.0] * len(xs)
+  if FOLD_K:
+    out = [None] * len(xs)
   for i in range(4):
     q = ld("qs", i, slice(None))                                       # [BN, S, 8]
     for hh in range(2):
@@ -182,6 +203,11 @@ def _tile_q45_k(ld, xs, tab, five: bool):
         fs.append(_f32(b | one))
       for bi, xv in enumerate(xs):
         a, x = _accumulate(fs, [xv(i, hh, c, slice(None)) for c in range(4)])
+        if FOLD_K:                                                     # [BN, S, 8]: no reduction here
+          ds_ = float(1 << bits) * ds
+          t = ds_[..., None] * a - (ds_ + dm)[..., None] * x[None]
+          out[bi] = t if out[bi] is None else out[bi] + t
+          continue
         xs_ = jnp.sum(x, axis=1)[None]                                 # [1, S]
         out[bi] = out[bi] + ds * (float(1 << bits) * (jnp.sum(a, axis=2) - xs_)) - dm * xs_
   return out
@@ -420,7 +446,7 @@ def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll, st
     ld = lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)]
     xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, s), *x_index(qtype, natural, idx))], b)
           for b in range(B)]
-    return tuple(jnp.sum(o, axis=1) for o in TILES[qtype](ld, xs, tab_ref))
+    return tuple(row_sums(o) for o in TILES[qtype](ld, xs, tab_ref))
 
   accs = k_loop(nb, S, unroll, tile_sums, tuple(jnp.zeros((BN,), F32) for _ in range(B)))
   for b in range(B):

@@ -39,7 +39,7 @@ def _cases(names):
   if "decode" in names:                         # the decode kernels at B = 1 and a verify pass's B = 4
     from ops import moe_pallas, qmatmul_pallas
     for q in ("IQ3_S", "Q4_K", "Q8_0"):
-      for B in (1, 4):
+      for B in (1, 4, 8):                       # a step, a verify pass at k = 3 and at k = 7
         xb = jax.ShapeDtypeStruct((B, 2048), jnp.float32)
         yield f"qmatmul_{q}_B{B}", (lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w)), (xb, _abstract_qtensor(q, (5120, 2048)))
     for q in ("IQ3_S", "Q4_K"):

@@ -106,6 +106,31 @@ def test_qmatmul_interpret_matches_reference(qtype, B):
   assert _relerr(y, r) < TOL_MATMUL
 
 
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_k_quant_tile_forms_match_reference(qtype, fold, retrace):
+  """Both forms of the Q4_K / Q5_K tile (qmatmul_pallas.FOLD_K: word-shaped contributions summed once by the caller,
+  or a reduction per sub-block) match the reference, in the projection kernel at B = 3 and in both MoE kernels;
+  and the projection's rows do not depend on the batch in either form (DESIGN invariant 3)."""
+  retrace(qmatmul_pallas, "FOLD_K", fold)
+  rng = _rng(qtype, int(fold))
+  K, N = 1024, 37
+  w = QTensor.from_gguf(quant.random_blocks(qtype, (N, K), rng), qtype, K)
+  x = jnp.asarray(rng.standard_normal((3, K)).astype(np.float32))
+  y = qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, overrides=dict(BN=16, S=2))
+  assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
+  y1 = qmatmul_pallas.qmatmul_pallas(x[1:2], w, interpret=True, overrides=dict(BN=16, S=2))
+  np.testing.assert_array_equal(np.asarray(y[1:2]), np.asarray(y1))
+  E, F, D = 4, 256, 512
+  g, u = (QTensor.from_gguf(quant.random_blocks(qtype, (E, F, D), rng), qtype, D) for _ in range(2))
+  d = QTensor.from_gguf(quant.random_blocks(qtype, (E, D, F), rng), qtype, F)
+  xm = jnp.asarray(rng.standard_normal((2, D)).astype(np.float32))
+  ids = jnp.asarray([[0, 3], [2, 1]], jnp.int32)
+  wk = jnp.asarray(rng.random((2, 2)).astype(np.float32))
+  ym = moe_pallas.moe_pallas(xm, ids, wk, g, u, d, interpret=True)
+  assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
+
+
 # every type appears once as gate/up and once as down
 _PAIRS = [(TYPES[i], TYPES[(i + 1) % len(TYPES)]) for i in range(len(TYPES))]
 

@@ -20,8 +20,12 @@
 #      the per-row windows changed the decode kernel since the last cells (f60792b / 9185ec9); the Q4_K 1K cell was
 #      1.52x, 1 % over the goal.
 #   2. Issue 3: where part (b)'s 42.5 us per layer goes at B = 1 (the instruction count bounds Q4_K near 5.3 us per
-#      layer, so the gap is not dequantization arithmetic): `PART=18` (a KS / stage / BN sweep against the default,
-#      then a trace per type summarised per kernel with the idle gaps).
+#      layer, so the gap is not dequantization arithmetic): `PART=18` (FOLD_K against the old Q4_K tile form, a KS /
+#      stage / BN sweep against the default, then a trace per type summarised per kernel with the idle gaps, and the
+#      compiled check). FOLD_K (this session, unmeasured) removed the per-sub-block reductions and x-sum layout
+#      conversions: sm_90 SASS of the Q4_K gate/up kernel 24 -> 8 barriers, 58 -> 6 shuffles (scripts/kernel_sass.py).
+#      Then PART 13 with PT13=Q4_K (verify passes bitwise the steps with the new form) and the Q4_K e2e cell. The same
+#      treatment is open for IQ3_S (16 barriers in gate/up) and Q8_0 (18 in the B = 1 projection).
 #   3. The first prefill of a new prompt after a cached one took 16-19 s at 32K against 8.6 s for the next (seed 1
 #      vs seed 2, both rings): likely the pinned allocation of a second 6.9 GB tier while the cache holds the first.
 #   4. Prefill levers (75.8 ms of kernels at f60792b; gate/up writing h in down's piece order; the dispatch over
@@ -143,10 +147,14 @@ case "${PART:-1}" in
     --reuse_prefill --cells $OUT/seed4-deep.jsonl 2>&1 | filt | grep -vE "^(W|I)[0-9]" | tee $OUT/seed4-deep.log | tail -12 ;;
 18) # issue 3: part (b) at B = 1 taken apart. A sweep against the default (split K of gate/up over KS programs, stages,
     # row tiles), then --profile: a trace of 10 part (b) steps per type, summarised per kernel with the idle gaps
-  SW='[{},{"gateup":{"KS":2}},{"gateup":{"KS":4}},{"gateup":{"KS":8}},{"gateup":{"num_stages":3},"down":{"num_stages":3}},
-      {"gateup":{"BN":8,"KS":2}},{"down":{"BN":32}},{}]'
-  timeout ${T18:-420} python3 -m ops.bench --out $OUT/kern18 --types ${TY18:-IQ3_S,Q4_K} --batches 1 --parts b --impls pallas \
+  # FOLD_K (the Q4_K / Q5_K tile's word-shaped form, default since this session) against the per-sub-block form
+  # first, interleaved; then --check (compiled kernels against the reference) for Q4_K and Q5_K
+  SW='[{},{"fold_k":false},{},{"fold_k":false},{"gateup":{"KS":2}},{"gateup":{"KS":4}},{"gateup":{"KS":8}},
+      {"gateup":{"num_stages":3},"down":{"num_stages":3}},{"gateup":{"BN":8,"KS":2}},{"down":{"BN":32}},{}]'
+  timeout ${T18:-420} python3 -m ops.bench --out $OUT/kern18 --types ${TY18:-Q4_K,IQ3_S} --batches 1 --parts b --impls pallas \
     --sweep "$SW" --sweep_layers 48 --iters 10 --profile $OUT/trace18 2>&1 | filt | grep -E "^(sweep|copy|\||profile)"
+  timeout ${T18C:-120} python3 -m ops.bench --out $OUT/kern18 --check --types Q4_K,Q5_K --batches 1 --parts b \
+    --impls pallas --layers 2 --iters 1 2>&1 | grep --line-buffered "^check"
   for t in $OUT/trace18/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 10 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
   head -40 $OUT/trace18/*.summary.txt ;;
