@@ -184,9 +184,7 @@ def _tile_q45_k(ld, xs, tab, five: bool):
   qh = ld("qh", slice(None)) if five else None                         # [BN, S, 8]
   bits = 5 if five else 4
   one = tab[ONE]
-  out = [0.0] * len(xs)
-  if FOLD_K:
-    out = [None] * len(xs)
+  out = [None if FOLD_K else 0.0] * len(xs)
   for i in range(4):
     q = ld("qs", i, slice(None))                                       # [BN, S, 8]
     for hh in range(2):
