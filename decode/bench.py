@@ -397,7 +397,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   if FLAGS.report:
-    print(report(FLAGS.report))
+    try:
+      print(report(FLAGS.report))
+    except (OSError, ValueError) as e:            # a missing or broken record file: one line, no traceback
+      sys.exit(f"decode.bench: {e}")
     return
   from tqdm import tqdm
 

@@ -332,10 +332,9 @@ def main(argv):
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
       ov = dict(ov)
-      from ops import qmatmul_pallas
-      fold = ov.pop("fold_k", qmatmul_pallas.FOLD_K)       # the K-quant tile's form, read at trace time
-      if fold != qmatmul_pallas.FOLD_K:
-        qmatmul_pallas.FOLD_K = fold
+      fold = ov.pop("fold_k", _qp.FOLD_K)                 # the K-quant tile's form, read at trace time
+      if fold != _qp.FOLD_K:
+        _qp.FOLD_K = fold
         jax.clear_caches()                                 # the kernels' jit caches do not key on it
       try:
         t = median_seconds(_step_fn("pallas", ov, FLAGS.layer_loop), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)

@@ -191,6 +191,9 @@ def _tile_q45_k(ld, xs, tab, five: bool):
       k = 2 * i + hh
       sc, mn = _k_scale_min(h[1], h[2], h[3], k)
       ds, dm = d * sc, dmin * mn
+      if FOLD_K:                                                       # per word: dsb * a_j - e * xw_j
+        dsb = float(1 << bits) * ds
+        dsb3, e3 = dsb[..., None], (dsb + dm)[..., None]
       fs = []
       for c in range(4):
         s = 8 * c + 4 * hh
@@ -202,8 +205,7 @@ def _tile_q45_k(ld, xs, tab, five: bool):
       for bi, xv in enumerate(xs):
         a, x = _accumulate(fs, [xv(i, hh, c, slice(None)) for c in range(4)])
         if FOLD_K:                                                     # [BN, S, 8]: no reduction here
-          ds_ = float(1 << bits) * ds
-          t = ds_[..., None] * a - (ds_ + dm)[..., None] * x[None]
+          t = dsb3 * a - e3 * x[None]
           out[bi] = t if out[bi] is None else out[bi] + t
           continue
         xs_ = jnp.sum(x, axis=1)[None]                                 # [1, S]

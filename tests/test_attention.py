@@ -324,7 +324,7 @@ def test_per_row_windows_match_float64(impl):
 
 
 @pytest.mark.parametrize("impl,T", [("ref", 4), ("interpret", 4), ("ref", 12), ("interpret", 12)])
-def test_tier_attention_per_row_bounds_match_float64(impl, T):
+def test_tier_attention_per_row_bounds_match_float64(impl, T, monkeypatch):
   """attention.tier_attention over a tier of 3 blocks: row t sees positions 0 .. q_hi[t] (-1: none, lse -inf), on
   the reference and block by block through a kernel (folded with merge_lse_pair), against float64: the decode
   kernel for T = 4, the prefill kernel for T = 12 (> MAX_T: a prefill chunk beside the tier)."""
@@ -335,6 +335,10 @@ def test_tier_attention_per_row_bounds_match_float64(impl, T):
   q = _q(T, hkv * G, seed=5)
   assert attention_pallas.supported(4, hkv * G, hkv, DH, 32, k) is None       # the kernels take these calls
   assert prefill_attention_pallas.supported(hkv * G, hkv, DH, 32) is None
+  calls = []                                 # which kernel the blocks ran through (none on the reference)
+  for mod, name in ((attention_pallas, "ring_attention_pallas"), (prefill_attention_pallas, "prefill_attention_pallas")):
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
   for q_hi in ([130, 131, 132, 133], [-1, 0, 63, 64], [-1, -1, -1, -1]):
     q_hi = (q_hi * 3)[:T]
     hi = np.asarray(q_hi)
@@ -343,6 +347,8 @@ def test_tier_attention_per_row_bounds_match_float64(impl, T):
                                         tier_block=tb, block=32, scale=SCALE, impl=impl)
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6, err_msg=str(q_hi))
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5, err_msg=str(q_hi))
+  want_kernel = {"ref": set(), "interpret": {"ring_attention_pallas" if T <= 8 else "prefill_attention_pallas"}}[impl]
+  assert set(calls) == want_kernel, calls
 
 
 def test_verify_rows_equal_the_steps_bitwise_on_a_wrapped_ring():

@@ -204,6 +204,12 @@ def test_report_joins_records_of_separate_runs(tmp_path):
       bench.report([str(a)])
   finally:
     bench.FLAGS.unparse_flags()
+  for bad, why in ((tmp_path / "missing.jsonl", "No such file"), (tmp_path / "broken.jsonl", "broken.jsonl:1: not a JSON")):
+    if "broken" in bad.name:
+      bad.write_text("{not json\n")
+    r = subprocess.run([sys.executable, "-m", "decode.bench", "--arms", "seed4", "--depths", "32768", "--report",
+                        str(bad)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and why in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_replay_without_a_plain_arm_compares_with_its_own_plain_requests():
