@@ -5,7 +5,9 @@ the arm's ring capacity, drafter, KV dtype, expert cache (all | auto | N slots, 
 --device_budget) and kernels; --max_context applies to every request (a fixed ring below it puts older positions
 in the host tier). Every cell first runs once untimed (compiles), then once per seed; each timed run writes one
 JSONL record (config, commit, device, prefill tok/s, TTFT, decode tok/s, drafts proposed/accepted per position,
-expert-cache stats, the memory plan, and for drafted arms the bytes-per-round model of decode/round_model.py).
+expert-cache stats, the memory plan, and for drafted arms the bytes-per-round model of decode/round_model.py) and
+its log, `<cells>.logs/<arm>-s<seed>.log` (the request, the plan's table, what the stack logged meanwhile, the
+result; the first seed's log also holds the compiling run), named by the record's "log".
 The table shows the median decode tok/s over seeds, the drafts of every seed, the expert-cache hit rate, and
 for drafted arms the speed-up over the matching plain arm beside what the byte ratio predicts; pre-declared bars
 are evaluated and printed; a PNG plots tok/s against depth.
@@ -17,9 +19,11 @@ are evaluated and printed; a PNG plots tok/s against depth.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
+import logging as pylogging
 import os
 import statistics
 import sys
@@ -186,6 +190,8 @@ def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffe
   k = (arm.k or FLAGS.mtp_draft) if arm.draft != "none" else 0
   plan, slots = _plan(model, arm, gen, k)
   gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
+  CELL_LOG.info("cell %s seed %d: %s, %d prompt tokens, %d new, expert slots %s\nmemory plan:\n%s", arm.name, seed,
+               dataclasses.asdict(arm), len(prompt), max_new, "all" if slots is None else slots, plan.table())
   plain = None
   if arm.draft == "none":
     res = generate(model, prompt, gen, prefill_cache=prefill_cache)
@@ -206,6 +212,38 @@ def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffe
     from decode.round_model import bytes_model
     st["bytes_model"] = bytes_model(model.params, model.cfg, k, arm.draft)
   return st
+
+
+# A cell's own account (request, plan, result) goes only to its log file; the terminal keeps the table.
+CELL_LOG = pylogging.getLogger("moejax.bench.cell")
+CELL_LOG.propagate = False
+CELL_LOG.setLevel(pylogging.INFO)
+
+
+@contextlib.contextmanager
+def cell_log(path: str):
+  """While a cell runs: its account (CELL_LOG) and whatever the stack logs through absl at the current verbosity
+  (warnings under `main`) are appended to the file at `path`."""
+  handler = pylogging.FileHandler(path, mode="a")
+  handler.setFormatter(pylogging.Formatter("%(asctime)s %(levelname)s %(module)s: %(message)s"))
+  loggers = (CELL_LOG, logging.get_absl_logger())
+  for lg in loggers:
+    lg.addHandler(handler)
+  try:
+    yield
+  finally:
+    for lg in loggers:
+      lg.removeHandler(handler)
+    handler.close()
+
+
+def _log_result(arm: Arm, seed: int, st: dict) -> None:
+  drafts = (f", drafts accepted/proposed per position {st['drafts_accepted']}/{st['drafts_proposed']}"
+            if st.get("drafts_proposed") else "")
+  prefill = "reused" if st.get("prefill_tok_s") is None else f"{st['prefill_tok_s']:.0f} tok/s"
+  CELL_LOG.info("cell %s seed %d: %d prompt tokens, TTFT %.3f s, prefill %s, %d tokens at %.2f tok/s decode%s",
+               arm.name, seed, st["prompt_tokens"], st["ttft_s"], prefill, st["generated_tokens"],
+               st["decode_tok_s"], drafts)
 
 
 COMPILE_TOKENS = 8       # tokens the compiling run generates (a 128K cell's 256 tokens take ~40 s on the GPU)
@@ -436,19 +474,26 @@ def main(argv):
   cache = PrefillCache(capacity=2 * len({(a.ring, a.kv) for a in arms})) if FLAGS.reuse_prefill else None
   runs = ([(a, s) for s in range(FLAGS.seeds) for a in arms] if cache is not None else
           [(a, s) for a in arms for s in range(FLAGS.seeds)])
+  log_dir = os.path.splitext(os.path.abspath(FLAGS.cells))[0] + ".logs"
+  os.makedirs(log_dir, exist_ok=True)
   first_run, failed = {}, set()
   with open(FLAGS.cells, "a") as out:
     for arm, seed in tqdm(runs, desc="cells", unit="run", file=sys.stderr):
       if arm.name in failed:
         continue
+      log_path = os.path.join(log_dir, f"{arm.name}-s{seed}.log")
       try:
-        if arm.name not in first_run:
+        with cell_log(log_path):
+          if arm.name not in first_run:
+            t0 = time.time()
+            CELL_LOG.info("arm %s: the compiling run (%d tokens, untimed)", arm.name, COMPILE_TOKENS)
+            compile_run(model, arm, cache)
+            first_run[arm.name] = time.time() - t0
+            CELL_LOG.info("arm %s: first (compiling) run %.1f s", arm.name, first_run[arm.name])
+            print(f"arm {arm.name}: first (compiling) run {first_run[arm.name]:.1f} s", file=sys.stderr)
           t0 = time.time()
-          compile_run(model, arm, cache)
-          first_run[arm.name] = time.time() - t0
-          print(f"arm {arm.name}: first (compiling) run {first_run[arm.name]:.1f} s", file=sys.stderr)
-        t0 = time.time()
-        st = run_cell(model, arm, seed, FLAGS.max_new_tokens, cache)
+          st = run_cell(model, arm, seed, FLAGS.max_new_tokens, cache)
+          _log_result(arm, seed, st)
         rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
                "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
                "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
@@ -456,12 +501,14 @@ def main(argv):
                "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels),
                "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0,
-               "first_run_s": first_run[arm.name], "stats": st}
+               "first_run_s": first_run[arm.name], "log": log_path, "stats": st}
         records.append(rec)
         out.write(json.dumps(rec) + "\n")
         out.flush()
       except ValueError as e:
         failed.add(arm.name)
+        with cell_log(log_path):
+          CELL_LOG.error("cell %s: %s", arm.name, str(e).splitlines()[0])
         print(f"cell {arm.name}: {str(e).splitlines()[0]}", file=sys.stderr)
   print(f"\n{path} ({model.cfg.arch}), device {device}, commit {commit}, {FLAGS.max_new_tokens} tokens, "
         f"{FLAGS.seeds} seeds\n")

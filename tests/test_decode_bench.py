@@ -25,6 +25,11 @@ def test_bench_cells_table_and_records(tmp_path):
     assert st["expert_slots"] == (6 if cached else None)
     if cached:   # 6 slots for 16 experts per block: some misses, counted per block
       assert sum(st["expert_cache"]["misses"]) > 0 and st["expert_cache"]["slots"] == 6
+    log = open(x["log"]).read()      # the cell's own log: its request, plan table and result, as recorded
+    assert x["log"] == str(tmp_path / "cells.logs" / f"{x['arm']}-s0.log")
+    assert f"cell {x['arm']} seed 0: 48 prompt tokens" in log and "memory plan:" in log
+    assert f"{st['generated_tokens']} tokens at {st['decode_tok_s']:.2f} tok/s decode" in log
+    assert ("first (compiling) run" in log) and (("drafts accepted/proposed" in log) == ("replay" in x["arm"]))
     if "replay" in x["arm"]:
       assert st["acceptance"] == 1.0
       assert st["plain"]["decode_tok_s"] > 0 and st["prefill_tok_s"] > 0    # the plain request it replays

@@ -28,6 +28,7 @@ ap.add_argument("--T", type=int, default=4)
 ap.add_argument("--glue", default="on,off", help="model.transformer.GLUE_KERNELS settings of the trunk check")
 ap.add_argument("--proj_types", default="Q8_0", help="projection types of the qmatmul rows (Q4_K, IQ3_S, Q6_K: "
                 "their tiles shrink with the batch above ops.qmatmul_pallas.INVARIANT_B)")
+ap.add_argument("--moe_types", default="IQ3_S", help="routed-expert types of the moe_pallas rows (Q4_K: the FOLD_K tile)")
 a = ap.parse_args()
 cpu = jax.default_backend() == "cpu"
 kern = "interpret" if cpu else "pallas"
@@ -65,12 +66,13 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
       xx = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
       report(f"qmatmul_pallas {pq} N {N} K {K}", lambda x: qmatmul_pallas.qmatmul_pallas(x, w, interpret=cpu), xx)
   F = cfg.d_ff_expert
-  g = QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng, scale=1e-2), "IQ3_S", D).replace(kernel=kern)
-  dn = QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, D, F), rng, scale=1e-2), "IQ3_S", F).replace(kernel=kern)
   ids = jnp.asarray(np.stack([rng.choice(E, cfg.top_k, replace=False) for _ in range(T)]), jnp.int32)
   wts = jnp.asarray(rng.random((T, cfg.top_k)), jnp.float32)
-  report(f"moe_pallas IQ3_S E {E} F {F} top {cfg.top_k}",
-         lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu), x, ids, wts)
+  for mq in a.moe_types.split(","):
+    g = QTensor.from_gguf(quant.random_blocks(mq, (E, F, D), rng, scale=1e-2), mq, D).replace(kernel=kern)
+    dn = QTensor.from_gguf(quant.random_blocks(mq, (E, D, F), rng, scale=1e-2), mq, F).replace(kernel=kern)
+    report(f"moe_pallas {mq} E {E} F {F} top {cfg.top_k}",
+           lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu), x, ids, wts)
 
 # decode attention: the T rows of a verify pass against each query alone at its own causal length
 from decode.kv_ring import KVRing  # noqa: E402

@@ -115,7 +115,7 @@ case "${PART:-1}" in
 13) # DESIGN invariant 3 on the GPU: is a verify pass (T = 4) bitwise the plain steps it replaces, op by op and for
     # a 4-layer trunk? (seed4's replay arms accepted 5-19 % at ded51a0, 100 % at d45edc3)
   for p in ${P13:-seed-mtp qwen3moe-30b-a3b}; do
-    timeout ${T13:-150} python3 scripts/gpu/batch_invariance.py --preset $p --layers 4 --proj_types ${PT13:-Q8_0} 2>&1 | grep -vE "^(W|I)[0-9]" | tail -${N13:-12}
+    timeout ${T13:-150} python3 scripts/gpu/batch_invariance.py --preset $p --layers 4 --proj_types ${PT13:-Q8_0} --moe_types ${MT13:-IQ3_S} 2>&1 | grep -vE "^(W|I)[0-9]" | tail -${N13:-12}
   done ;;
 15) # issue 7 (prefill): the GEMM forms A/B, interleaved in one process (commit 95d0601: x split once by XLA, MMAs
     # accumulating in place; statically no spills where v1 spilled 0.2-2.4 KB per thread), kernels then the 30B prefill
