@@ -10,9 +10,12 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
   a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies;
   b/step the routed-expert work of a decode step: 48 layers in one jitted call (layer l+1 takes layer l's output,
          RMS-normalised), so launch latency counts as in decoding.
-Every weight is stacked over layers ([L, E, F, D] planes) and each layer passes its index to the kernels
-(`moe_pallas(..., layer=l)`): an operand sliced out of a stack would be copied whole by XLA first. Layers are
-unrolled as in the model (`--layer_loop scan` for a lax.scan). XLA reuses one compiled Triton kernel for
+Each layer's weights are their own arrays and jit arguments, as in the model (`--layer_weights separate`, the
+default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
+to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first);
+that index is one more small operand per call (XLA writes it with a memset: the part (b) trace at 9325bd7 had two
+~1 µs `memcpy32_post` per layer). Layers are unrolled as in the model (`--layer_loop scan`, stacked only, for a
+lax.scan). XLA reuses one compiled Triton kernel for
 identical custom calls (`--compile_probe`: compile time of 1 and 8 identical calls; 2.7 s and 1.9 s on the H200).
 Implementations: `pallas` (ops/moe_pallas, ops/qmatmul_pallas), `xla` (the jnp reference: gather the routed
 slabs, dequantize, dot), `bf16` (dense bfloat16 weights, gather + dot; its own bytes).
@@ -47,6 +50,8 @@ flags.DEFINE_list("shape", ["2048", "768", "128", "8", "4096"], "D, F, experts, 
 flags.DEFINE_boolean("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke test only)")
 flags.DEFINE_enum("layer_loop", "unroll", ["unroll", "scan"], "layers unrolled (as the model) or a lax.scan "
                   "(XLA's GPU while loop syncs with the host every iteration)")
+flags.DEFINE_enum("layer_weights", "separate", ["separate", "stacked"], "each layer's weights as their own arrays "
+                  "(as the model) or stacked over layers with a layer index into the kernels (forced by --layer_loop scan)")
 flags.DEFINE_boolean("compile_probe", False, "time the compile of 1 and 8 identical Pallas MoE calls first")
 flags.DEFINE_string("profile", None, "folder: after each type's cells, trace --iters calls of its part (b) Pallas step "
                     "at the first batch with jax.profiler (DIR/TYPE; summarise with scripts/gpu/trace_summary.py "
@@ -86,27 +91,40 @@ def _copy_bw(iters):
   return 2 * nbytes / statistics.median(ts) / 1e9
 
 
-def _experts(key, qtype, layers):
-  """(gate, up, down) QTensors stacked over layers: planes [L, E, rows, nb, ...] of random valid blocks."""
+def _shapes():
+  """gate, up, down of one layer (the module's shape globals, read at call time: tests shrink them)."""
+  return (E, F, D), (E, F, D), (E, D, F)
+
+
+def _experts(key, qtype, layers, separate=False):
+  """Random valid experts: (gate, up, down) QTensors stacked over layers (planes [L, E, rows, nb, ...]), or with
+  `separate` a list of L such triples, one layer's arrays each (the same blocks either way)."""
   import jax
   import jax.numpy as jnp
   from ops import repack
   from ops.qtensor import QTensor
   gen = jax.jit(lambda k, shape: repack.random_planes(k, qtype, shape), static_argnums=1)
-  out = []
-  for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F))):
-    per = [gen(jax.random.fold_in(key, 1000 * i + l), shape) for l in range(layers)]
-    planes = tuple(jnp.stack([p[j] for p in per]) for j in range(len(per[0])))
-    del per
-    out.append(QTensor(planes, qtype, shape[-1], "pallas"))
-  return tuple(out)
+  per = [[gen(jax.random.fold_in(key, 1000 * i + l), shape) for l in range(layers)] for i, shape in enumerate(_shapes())]
+  if separate:
+    return [tuple(QTensor(per[i][l], qtype, shape[-1], "pallas") for i, shape in enumerate(_shapes()))
+            for l in range(layers)]
+  return tuple(QTensor(tuple(jnp.stack([p[j] for p in per[i]]) for j in range(len(per[i][0]))), qtype, shape[-1],
+                       "pallas") for i, shape in enumerate(_shapes()))
 
 
-def _bf16_experts(key, layers):
+def _bf16_experts(key, layers, separate=False):
   import jax
   import jax.numpy as jnp
-  return tuple(jnp.stack([jax.random.normal(jax.random.fold_in(key, 1000 * i + l), (E, *s), jnp.bfloat16) * 0.02
-                          for l in range(layers)]) for i, s in enumerate(((F, D), (F, D), (D, F))))
+  per = [[jax.random.normal(jax.random.fold_in(key, 1000 * i + l), s, jnp.bfloat16) * 0.02 for l in range(layers)]
+         for i, s in enumerate(_shapes())]
+  return [tuple(p[l] for p in per) for l in range(layers)] if separate else tuple(jnp.stack(p) for p in per)
+
+
+def _layer(layers, l):
+  """Layer l's (gate, up, down) and the index the kernels take: (triple, None) for separate weights, (the stacks,
+  l) for stacked ones."""
+  import jax.numpy as jnp
+  return (layers[l], None) if isinstance(layers, list) else (layers, jnp.int32(l))
 
 
 def _routing(key, layers, T):
@@ -132,11 +150,12 @@ def _step_fn(impl, overrides, layer_loop="unroll"):
   from ops.qtensor import QTensor, as_dense
 
   def sel(w, l, ids):            # layer l's routed experts, one gather (no copy of the layer's slab)
+    idx = (ids,) if l is None else (l, ids)
     if isinstance(w, QTensor):
-      return w.replace(planes=tuple(p[l, ids] for p in w.planes))
-    return w[l, ids]
+      return w.replace(planes=tuple(p[idx] for p in w.planes))
+    return w[idx]
 
-  def layer(x, l, ids, w, g, u, d):
+  def layer(x, l, ids, w, g, u, d):            # l: the index into stacked weights, None for a layer's own arrays
     if impl == "pallas":
       y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=l, overrides=overrides)
     elif impl == "xla":                       # the reference's math (ops/moe._moe_gather) on layer l's slabs
@@ -144,18 +163,20 @@ def _step_fn(impl, overrides, layer_loop="unroll"):
       h = jax.nn.silu(jnp.einsum("td,tkfd->tkf", x, gg)) * jnp.einsum("td,tkfd->tkf", x, uu)
       y = jnp.einsum("tkd,tk->td", jnp.einsum("tkf,tkdf->tkd", h, dd), w)
     else:
-      y = _bf16_moe(x, ids, w, g[l], u[l], d[l])
+      y = _bf16_moe(x, ids, w, *((g, u, d) if l is None else (g[l], u[l], d[l])))
     return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
 
   def step(x, ids, w, layers):
-    g, u, d = layers
     if layer_loop == "scan":
+      if isinstance(layers, list):
+        raise ValueError("ops.bench --layer_loop scan: needs --layer_weights stacked")
       def body(x, xs):
         l, i, ww = xs
-        return layer(x, l, i, ww, g, u, d), None
+        return layer(x, l, i, ww, *layers), None
       return jax.lax.scan(body, x, (jnp.arange(ids.shape[0], dtype=jnp.int32), ids, w))[0]
     for l in range(ids.shape[0]):            # unrolled as the model's layers; one kernel instance (same config)
-      x = layer(x, jnp.int32(l), ids[l], w[l], g, u, d)
+      (g, u, d), li = _layer(layers, l)
+      x = layer(x, li, ids[l], w[l], g, u, d)
     return x
 
   return jax.jit(step)
@@ -173,25 +194,26 @@ def _bf16_moe(x, ids, w, g, u, d):
 
 
 def _proj_fn(impl, overrides):
-  """(x, W stacked [16, N, K]) -> sum of the 16 projections, unrolled (as the model's layers): each call reads
-  copy l in place. A lax.scan here would add a device wait per iteration (XLA's GPU while loop), comparable to
-  a projection's own 5-20 µs."""
+  """(x, W: 16 copies [N, K] in a list, or stacked [16, N, K]) -> sum of the 16 projections, unrolled (as the
+  model's layers): each call reads copy l in place. A lax.scan here would add a device wait per iteration (XLA's
+  GPU while loop), comparable to a projection's own 5-20 µs."""
   import jax
   import jax.numpy as jnp
   from ops import qmatmul, qmatmul_pallas
 
-  def one(x, l, w):
+  def one(x, l, w):                          # l: the index into a stack, None for a copy's own arrays
     if impl == "pallas":
       return qmatmul_pallas.qmatmul_pallas(x, w, layer=l, overrides=overrides)
     if impl == "xla":
-      return qmatmul.qmatmul_ref(x, w.replace(planes=tuple(p[l] for p in w.planes)))
-    return jnp.einsum("bk,nk->bn", x.astype(jnp.bfloat16), w[l], preferred_element_type=jnp.float32)
+      return qmatmul.qmatmul_ref(x, w if l is None else w.replace(planes=tuple(p[l] for p in w.planes)))
+    return jnp.einsum("bk,nk->bn", x.astype(jnp.bfloat16), w if l is None else w[l], preferred_element_type=jnp.float32)
 
   def run(x, ws):
-    n = (ws.planes[0] if hasattr(ws, "planes") else ws).shape[0]
+    n = len(ws) if isinstance(ws, list) else (ws.planes[0] if hasattr(ws, "planes") else ws).shape[0]
     acc = jnp.zeros((x.shape[0], NPROJ), jnp.float32)
     for l in range(n):
-      acc = acc + one(x, jnp.int32(l), ws)
+      w, li = _layer(ws, l)
+      acc = acc + one(x, li, w)
     return acc
 
   return jax.jit(run)
@@ -322,10 +344,18 @@ def main(argv):
   prog = _Progress(n_cells)
   key = jax.random.PRNGKey(1)
   L = FLAGS.layers
+  sep = FLAGS.layer_weights == "separate" and FLAGS.layer_loop == "unroll"
+
+  def proj_copies(stack):                    # the projection's 16 copies, as --layer_weights says
+    if not sep:
+      return stack
+    if isinstance(stack, QTensor):
+      return [stack.replace(planes=tuple(p[i] for p in stack.planes)) for i in range(stack.planes[0].shape[0])]
+    return [stack[i] for i in range(stack.shape[0])]
   for q in FLAGS.types:
     per_expert = 3 * quant.row_bytes(q, D) * F            # gate + up (F rows of D) + down (D rows of F): equal
-    layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L)
-    wproj = QTensor(repack.random_planes(jax.random.PRNGKey(7), q, (16, NPROJ, D)), q, D, "pallas")
+    layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L, separate=sep)
+    wproj = proj_copies(QTensor(repack.random_planes(jax.random.PRNGKey(7), q, (16, NPROJ, D)), q, D, "pallas"))
     proj_bytes = quant.row_bytes(q, D) * NPROJ
     for si, ov in enumerate(sweeps):
       ids, w = _routing(jax.random.PRNGKey(11), L, 1)
@@ -355,8 +385,8 @@ def main(argv):
         if q != FLAGS.types[0]:
           continue
         del layers
-        layers = _bf16_experts(key, L)
-        wp = jax.random.normal(key, (16, NPROJ, D), jnp.bfloat16)
+        layers = _bf16_experts(key, L, separate=sep)
+        wp = proj_copies(jax.random.normal(key, (16, NPROJ, D), jnp.bfloat16))
       else:
         wp = wproj
       for B in batches:
@@ -386,7 +416,7 @@ def main(argv):
           prog.step(f"{qn} {impl} B={B} {part}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
     if FLAGS.profile:      # where a part (b) step's time goes: kernels, the fusions between them, idle gaps
       if "bf16" in FLAGS.impls and q == FLAGS.types[0]:       # the bf16 cells replaced the quantized experts
-        layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L)
+        layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L, separate=sep)
       B = batches[0]
       ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B)
       x = jax.random.normal(jax.random.PRNGKey(3), (B, D), jnp.float32)

@@ -41,11 +41,30 @@ def test_step_paths_agree_with_float64(tiny, qtype):
   L, T = 3, 2
   layers = tiny._experts(jax.random.PRNGKey(0), qtype, L)
   assert layers[0].planes[0].shape[:2] == (L, tiny.E)              # stacked [L, E, ...]
+  separate = tiny._experts(jax.random.PRNGKey(0), qtype, L, separate=True)
+  for l in range(L):                                               # the same blocks, one layer's arrays each
+    for stacked_t, own in zip(layers, separate[l]):
+      assert all(np.array_equal(p[l], q) for p, q in zip(stacked_t.planes, own.planes))
   ids, w = tiny._routing(jax.random.PRNGKey(1), L, T)
   x = jax.random.normal(jax.random.PRNGKey(2), (T, tiny.D), jnp.float32)
   ref = _numpy_step(x, np.asarray(ids), np.asarray(w), layers)
   for impl in ("pallas", "xla"):
-    for loop in ("unroll", "scan"):
+    for loop, ws in (("unroll", layers), ("scan", layers), ("unroll", separate)):
       with jax.default_matmul_precision("highest"):
-        y = np.asarray(tiny._step_fn(impl, None, loop)(x, ids, w, layers), np.float64)
-      assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-4, (impl, loop)
+        y = np.asarray(tiny._step_fn(impl, None, loop)(x, ids, w, ws), np.float64)
+      assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-4, (impl, loop, type(ws))
+  with pytest.raises(ValueError, match="layer_weights stacked"):
+    tiny._step_fn("xla", None, "scan")(x, ids, w, separate)
+
+
+def test_projection_copies_separate_or_stacked_sum_the_same(tiny):
+  from ops import repack
+  from ops.qtensor import QTensor
+  ws = QTensor(repack.random_planes(jax.random.PRNGKey(7), "Q8_0", (3, tiny.NPROJ, tiny.D)), "Q8_0", tiny.D, "xla")
+  own = [ws.replace(planes=tuple(p[i] for p in ws.planes)) for i in range(3)]
+  x = jax.random.normal(jax.random.PRNGKey(2), (2, tiny.D), jnp.float32)
+  ref = sum(np.asarray(o.dense(), np.float64) @ np.asarray(x, np.float64).T for o in own).T
+  for w in (ws, own):
+    with jax.default_matmul_precision("highest"):
+      y = np.asarray(tiny._proj_fn("xla", None)(x, w), np.float64)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
