@@ -9,12 +9,13 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
          distinct layers in one jit so the weights come from HBM, not L2; per-layer numbers;
   a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies;
   b/step the routed-expert work of a decode step: 48 layers in one jitted call (layer l+1 takes layer l's output,
-         RMS-normalised), so launch latency counts as in decoding.
+         RMS-normalised), so launch latency counts as in decoding; beside the Pallas step its floor, the same
+         launches, grids and glue without weight bytes (`_floor_fn`).
 Each layer's weights are their own arrays and jit arguments, as in the model (`--layer_weights separate`, the
 default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
 to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first);
-that index is one more small operand per call (XLA writes it with a memset: the part (b) trace at 9325bd7 had two
-~1 µs `memcpy32_post` per layer). Layers are unrolled as in the model (`--layer_loop scan`, stacked only, for a
+that index is one more small operand per call (probably what the part (b) trace at 9325bd7 shows as two ~1 µs
+`memcpy32_post` per layer, one per kernel; the model never passes one). Layers are unrolled as in the model (`--layer_loop scan`, stacked only, for a
 lax.scan). XLA reuses one compiled Triton kernel for
 identical custom calls (`--compile_probe`: compile time of 1 and 8 identical calls; 2.7 s and 1.9 s on the H200).
 Implementations: `pallas` (ops/moe_pallas, ops/qmatmul_pallas), `xla` (the jnp reference: gather the routed
@@ -180,6 +181,51 @@ def _step_fn(impl, overrides, layer_loop="unroll"):
     return x
 
   return jax.jit(step)
+
+
+def _floor_fn(qtype, interpret=False):
+  """(x, ids [n, T, K], w [n, T, K]) -> x: part (b)'s step with its launches and glue but no weight bytes. Per layer
+  two Pallas calls with the grid, warps and stages of the type's gate/up (F/BN x P programs) and down (D/BN x P)
+  kernels, in which program (i, p) only copies a BN-wide slice of its input row (h[p] from x[t], then y[p] =
+  w[p] h[p] from h), then the step's top-k sum and norm. The real step's time over this one says how much of it
+  any dequantization or tiling inside the kernels could still win back."""
+  import functools
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  from ops import moe_pallas, quant
+  from ops import qmatmul_pallas as qp
+  blk = quant.GGML_TYPES[qtype][0]
+  cg = dict(moe_pallas._cfg("gateup", qtype, F, D // blk, None))
+  cd = dict(moe_pallas._cfg("down", qtype, D, F // blk, None))
+
+  def gateup_like(x_ref, o_ref, *, K, BN):
+    p = pl.program_id(1)
+    rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(jnp.int32, BN), F - 1)
+    o_ref[p, rows] = x_ref[p // K, rows]                                  # F <= D
+
+  def down_like(w_ref, h_ref, o_ref, *, BN):
+    p = pl.program_id(1)
+    rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(jnp.int32, BN), D - 1)
+    o_ref[p, rows] = w_ref[p] * h_ref[p, rows % F]
+
+  def run(x, ids, w):
+    T, K = ids.shape[1:]
+    P = T * K
+    for l in range(ids.shape[0]):
+      h = pl.pallas_call(functools.partial(gateup_like, K=K, BN=cg["BN"]), grid=(pl.cdiv(F, cg["BN"]), P),
+                         out_shape=jax.ShapeDtypeStruct((P, F), jnp.float32), compiler_params=qp.compiler_params(cg),
+                         interpret=interpret, name="floor_gateup")(x)
+      y = pl.pallas_call(functools.partial(down_like, BN=cd["BN"]), grid=(pl.cdiv(D, cd["BN"]), P),
+                         out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32), compiler_params=qp.compiler_params(cd),
+                         interpret=interpret, name="floor_down")(w[l].reshape(P), h).reshape(T, K, D)
+      out = y[:, 0]
+      for k in range(1, K):
+        out = out + y[:, k]
+      x = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + 1e-6)
+    return x
+
+  return jax.jit(run)
 
 
 def _bf16_moe(x, ids, w, g, u, d):
@@ -401,6 +447,8 @@ def main(argv):
               t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids, w, layers, iters=FLAGS.iters)
               nbytes = _routed_bytes(ids, pe)
               rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
+              if impl == "pallas":     # the same step without weight bytes: launches, grids and glue only
+                rec["floor_ms"] = 1e3 * median_seconds(_floor_fn(q, FLAGS.interpret), x, ids, w, iters=FLAGS.iters)
             else:
               n1 = min(8, L)
               t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
@@ -431,8 +479,9 @@ def main(argv):
 
   # markdown table, last
   print(f"\n{meta['device']}, jax {meta['jax']}, {meta['date']}; copy {copy:.0f} GB/s\n")
-  print("| type | impl | B | b: 48-layer step ms | b: GB/s | b: % copy | a: layer µs | a: GB/s | a: proj µs | a: proj GB/s |")
-  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  print("| type | impl | B | b: 48-layer step ms | b: floor ms | b: GB/s | b: % copy | a: layer µs | a: GB/s | a: proj µs "
+        "| a: proj GB/s |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   rows = {}
   for r in results:
     if r.get("cell") in ("a", "b"):
@@ -440,7 +489,7 @@ def main(argv):
   f = lambda r, k, fmt: (fmt % r[k]) if r and k in r else ("err" if r and "error" in r else "")
   for (q, impl, B), c in rows.items():
     a, b = c.get("a"), c.get("b")
-    print(f"| {q} | {impl} | {B} | {f(b, 'ms', '%.3f')} | {f(b, 'GBps', '%.0f')} | {f(b, 'pct_copy', '%.0f')} | "
+    print(f"| {q} | {impl} | {B} | {f(b, 'ms', '%.3f')} | {f(b, 'floor_ms', '%.3f')} | {f(b, 'GBps', '%.0f')} | {f(b, 'pct_copy', '%.0f')} | "
           f"{f(a, 'layer_us', '%.1f')} | {f(a, 'GBps', '%.0f')} | {f(a, 'proj_us', '%.1f')} | {f(a, 'proj_GBps', '%.0f')} |")
   for r in results:
     if r.get("cell") == "sweep":

@@ -68,3 +68,18 @@ def test_projection_copies_separate_or_stacked_sum_the_same(tiny):
     with jax.default_matmul_precision("highest"):
       y = np.asarray(tiny._proj_fn("xla", None)(x, w), np.float64)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_floor_step_runs_the_step_chain_without_weights(tiny):
+  """The floor cell computes what it says: per layer h[p] = x[t][:F], y[p] = w[p] h[p][j mod F], the top-k sum
+  and the norm (a float64 emulation), with the type's grids (its BN) in interpret mode."""
+  L, T = 3, 2
+  ids, w = tiny._routing(jax.random.PRNGKey(1), L, T)
+  x = jax.random.normal(jax.random.PRNGKey(2), (T, tiny.D), jnp.float32)
+  y = np.asarray(tiny._floor_fn("Q4_K", interpret=True)(x, ids, w), np.float64)
+  ref, wn = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  for l in range(L):
+    h = ref[:, :tiny.F]                                              # every routed pair copies its token's row
+    out = np.stack([sum(wn[l, t, k] * h[t][np.arange(tiny.D) % tiny.F] for k in range(tiny.TOPK)) for t in range(T)])
+    ref = out / np.sqrt(np.mean(out * out, axis=-1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)

@@ -123,3 +123,14 @@ def test_moe_grouped_lowers(gq, dq, platform, gemm_form):
   txt = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
                x, ids, w, g, g, d)
   assert txt.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_bench_floor_kernels_lower(platform):
+  """ops.bench's part (b) floor (the step's launches without weight bytes) lowers for both GPU platforms."""
+  from ops import bench
+  x = jax.ShapeDtypeStruct((1, bench.D), jnp.float32)
+  ids = jax.ShapeDtypeStruct((2, 1, bench.TOPK), jnp.int32)
+  w = jax.ShapeDtypeStruct((2, 1, bench.TOPK), jnp.float32)
+  txt = _lower(platform, bench._floor_fn("Q4_K").__wrapped__, x, ids, w)
+  assert txt.count("__gpu$xla.gpu.triton") == 4                   # two layers x (gate/up-like, down-like)

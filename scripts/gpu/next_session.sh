@@ -5,31 +5,19 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-02 (fourteenth session: the seed4 arms at 32K (AR, BR, AN, BN, 3 seeds) and 128K (AR, BR)
-# ran at 61ac0a8, replay 192/192 everywhere; issue 3's part (b) re-measured), in priority order:
-#   0. Issue 7 item 3: AN and BN at 128K on the GPU, one per call on a warm machine (the compiling run prefills the
-#      128K prompt: 160-190 s at 61ac0a8, less since 04e4c53 if the tier's prefill part was the cost), e.g.
-#      `ONLY17=AN D17=131072 SEEDS=1 T17A=0 T17B=540 PART=17`, then `ONLY17=BN`. Read TTFT of the compiling run
-#      against 191 s (AR) / 158 s (BR): 04e4c53 moved the tier's part of prefill from the XLA reference (a [1024, 32,
-#      4096] f32 score array per block and layer) to the Pallas prefill kernel, unmeasured. Join the calls' records
-#      with `python -m decode.bench --arms seed4 --depths 131072 --report a.jsonl,b.jsonl` (with
-#      docs/perf-data/2026-12-02b/seed4-128k-*.jsonl).
-#   1. Issue 7 item 5 at the current commit: the e2e cells at 1K and 32K for both expert types (PART 16 with
-#      T16A=0 and the 32K depth, or `decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas --drafts none
-#      --depths 1024,32768 --max_new_tokens 256 --seeds 3 --experts X`). The strided split-K schedule (8f24a72) and
-#      the per-row windows changed the decode kernel since the last cells (f60792b / 9185ec9); the Q4_K 1K cell was
-#      1.52x, 1 % over the goal.
-#   2. Issue 3: where part (b)'s 42.5 us per layer goes at B = 1 (the instruction count bounds Q4_K near 5.3 us per
-#      layer, so the gap is not dequantization arithmetic): `PART=18` (FOLD_K against the old Q4_K tile form, a KS /
-#      stage / BN sweep against the default, then a trace per type summarised per kernel with the idle gaps, and the
-#      compiled check). FOLD_K (this session, unmeasured) removed the per-sub-block reductions and x-sum layout
-#      conversions: sm_90 SASS of the Q4_K gate/up kernel 24 -> 8 barriers, 58 -> 6 shuffles (scripts/kernel_sass.py).
-#      Then PART 13 with PT13=Q4_K (verify passes bitwise the steps with the new form) and the Q4_K e2e cell. The same
-#      treatment is open for IQ3_S (16 barriers in gate/up) and Q8_0 (18 in the B = 1 projection).
-#   3. The first prefill of a new prompt after a cached one took 16-19 s at 32K against 8.6 s for the next (seed 1
-#      vs seed 2, both rings): likely the pinned allocation of a second 6.9 GB tier while the cache holds the first.
-#   4. Prefill levers (75.8 ms of kernels at f60792b; gate/up writing h in down's piece order; the dispatch over
-#      ~1,500 parameter leaves); seed 0's prefill 14-17 % slower in every e2e cell.
+# Still open after 2026-12-02 (fifteenth session: issue 7's last GPU cells ran at 9325bd7: the e2e cells meet 1.5x
+# in every cell, AN/BN at 128K; part (b) with FOLD_K timed (3 %), swept, traced; Q4_K/Q5_K bitwise on the GPU), in
+# priority order:
+#   0. Issue 3: `PART=19` (new): part (b) beside its floor (no weight bytes), separate against stacked per-layer
+#      weights, and a trace. The floor over the step says how much kernel work can still win; if the floor alone is
+#      near the 70 % budget (Q4_K ~0.43 ms, IQ3_S ~0.33 ms for 48 layers), the goal needs fewer launches per layer
+#      (the top-k sum into the down kernel or the model's next norm kernel; one kernel for gate/up and down) rather
+#      than faster dequantization.
+#   1. Issue 3: IQ3_S's gate/up kernel runs at 671 GB/s against Q4_K's 1,107 (trace at 9325bd7): the grid-table
+#      gather's layout conversions (16 barriers, scripts/kernel_sass.py) are the known difference.
+#   2. The seed-1 TTFT anomaly at 32K (16-19 s against 8.6 s: the first prefill of a new prompt after a cached one),
+#      and seed 0's prefill 14-19 % slower at 1K in every e2e run.
+#   3. Prefill levers: the prefill attention kernel's ~70 TFLOP/s (the 128K prompt: 158 s / 139 s at 9325bd7).
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
@@ -158,6 +146,17 @@ case "${PART:-1}" in
   for t in $OUT/trace18/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 10 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
   head -40 $OUT/trace18/*.summary.txt ;;
+19) # issue 3: how much of the B = 1 step any kernel change could still win. Part (b) with its floor (the same
+    # launches, grids and glue without weight bytes: ops.bench._floor_fn) for separate per-layer weights (the
+    # default since 68b44c1, as the model) and then stacked ones (the form of every earlier part (b) figure), then a
+    # trace of the separate form: are the two memcpy32_post per layer gone?
+  timeout ${T19A:-260} python3 -m ops.bench --out $OUT/kern19 --types ${TY19:-Q4_K,IQ3_S} --batches 1,4 --parts b \
+    --impls pallas --iters 20 --profile $OUT/trace19 2>&1 | filt | tee $OUT/kern19.log | grep -E "^(copy|\||profile)"
+  timeout ${T19B:-160} python3 -m ops.bench --out $OUT/kern19s --types ${TY19:-Q4_K,IQ3_S} --batches 1 --parts b \
+    --impls pallas --iters 20 --layer_weights stacked 2>&1 | filt | tee $OUT/kern19s.log | grep -E "^(copy|\|)"
+  for t in $OUT/trace19/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
+    [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 20 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
+  head -30 $OUT/trace19/*.summary.txt ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)
