@@ -13,7 +13,9 @@ For T <= 16 tokens with top-K routing, P = T*K (token, expert) pairs, p = t*K + 
   2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
      y[p, rows] = w[p] * (down[e] . h[p]). The K partial rows of a token are summed afterwards in a fixed order
      (a [T, K, D] -> [T, D] reduction XLA fuses), so the result is deterministic and every program is short:
-     at B = 1 the down grid has D / BN * K programs instead of D / BN, which is what keeps the SMs busy.
+     at B = 1 the down grid has D / BN * K programs instead of D / BN, which is what keeps the SMs busy. Tile
+     option KSUM (off by default, an A/B): grid (D / BN, T), each program loops over its token's K pairs and
+     writes the sum itself, in the same order; one XLA launch fewer per layer, K times fewer programs.
 
 Stacked layers: planes may carry a leading layer dim ([L, E, F, nb, ...]) with `layer` an int32 scalar; the
 kernels index `[layer, e, rows, ...]` themselves. A model that scans over layers then holds one instance of
@@ -80,21 +82,30 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
   h_ref[p, rows if natural_h else qp.x_view_index(down_qtype, rows)] = h
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural):
+def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural,
+                 ksum):
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
-  p = pl.program_id(1)
-  pre = _lead(lid_ref, ids_ref[p])
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), D - 1)
 
-  def tile_sums(b0, s):
-    xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
-    y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
-    return (qp.row_sums(y),)
+  def pair(p):                               # w[p] * (down[ids[p]] . h[p]) over this program's rows
+    pre = _lead(lid_ref, ids_ref[p])
 
-  (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
-  o_ref[p, rows] = w_ref[p] * y
+    def tile_sums(b0, s):
+      xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
+      y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+      return (qp.row_sums(y),)
+
+    (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
+    return w_ref[p] * y
+
+  if not ksum:                               # program (i, p): one pair's rows
+    p = pl.program_id(1)
+    o_ref[p, rows] = pair(p)
+    return
+  t = pl.program_id(1)                       # program (i, t): the token's K pairs summed in order, ((y0 + y1) + ...)
+  o_ref[t, rows] = jax.lax.fori_loop(1, ksum, lambda k, acc: acc + pair(t * ksum + k), pair(t * ksum))
 
 
 def supported(x_TD, ids_TK, gate, up, down) -> bool:
@@ -111,11 +122,16 @@ def _cfg(kernel, qtype, rows, nb, overrides):
   ks = int(o.pop("KS", 1))
   if ks != 1 and kernel != "gateup":
     raise ValueError(f"moe_pallas {kernel}: KS (split K) applies to the gate/up kernel only")
+  ksum = bool(o.pop("KSUM", False))
+  if ksum and kernel != "down":
+    raise ValueError(f"moe_pallas {kernel}: KSUM (the top-k sum in the kernel) applies to the down kernel only")
   if ks < 1 or nb % ks or ks & (ks - 1):
     raise ValueError(f"moe_pallas {kernel}: KS={ks} must be a power of two dividing {nb} blocks")
   c = qp.config(qtype, rows, nb // ks, o)
   if kernel == "gateup":
     c["KS"] = ks
+  else:
+    c["KSUM"] = ksum
   return tuple(sorted(c.items()))
 
 
@@ -146,12 +162,16 @@ def _moe(x_TD, ids_TK, w_TK, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
     h = parts
   view = qp.XVIEW[dq] if nat_d else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
   h = h.reshape(P, nbF, *view)                                             # the x layout of dq
+  ksum = K if cd["KSUM"] else 0
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd["BN"], S=cd["S"], nb=nbF,
-                           unroll=cd["unroll"], stacked=stacked, natural=nat_d)
+                           unroll=cd["unroll"], stacked=stacked, natural=nat_d, ksum=ksum)
+  rows_out = T if ksum else P
   y = pl.pallas_call(
-      down, out_shape=jax.ShapeDtypeStruct((P, D), F32), grid=(pl.cdiv(D, cd["BN"]), P),
+      down, out_shape=jax.ShapeDtypeStruct((rows_out, D), F32), grid=(pl.cdiv(D, cd["BN"]), rows_out),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",
   )(ids, w_TK.reshape(P).astype(F32), h, qp.table(dq), *lid, *dplanes)
+  if ksum:
+    return y
   y = y.reshape(T, K, D)
   out = y[:, 0]
   for k in range(1, K):                      # fixed order: out = ((y0 + y1) + y2) + ...

@@ -192,6 +192,33 @@ def test_moe_split_k_matches_reference(ks):
     moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, overrides={"gateup": dict(KS=3)})
 
 
+@pytest.mark.parametrize("dq", ["Q4_K", "IQ3_S"])
+def test_moe_down_with_the_topk_sum_matches_reference_and_is_batch_invariant(dq):
+  """Down tile option KSUM (each program sums its token's K pairs in order): equal to the reference, stacked and
+  not; a token's row bitwise the same whether it runs alone or with 3 others (a verify pass against its steps);
+  and refused on the gate/up kernel."""
+  rng = np.random.default_rng(14)
+  L, E, F, D, K, B = 2, 5, 256, 512, 3, 4
+  g = QTensor.from_gguf(quant.random_blocks("IQ3_S", (L, E, F, D), rng), "IQ3_S", D)
+  u = QTensor.from_gguf(quant.random_blocks("IQ3_S", (L, E, F, D), rng), "IQ3_S", D)
+  d = QTensor.from_gguf(quant.random_blocks(dq, (L, E, D, F), rng), dq, F)
+  x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
+  w = jnp.asarray(rng.random((B, K)).astype(np.float32))
+  ov = {"gateup": dict(BN=64, S=1), "down": dict(BN=64, S=1, KSUM=True)}
+  y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, overrides=ov)
+  assert y.shape == (B, D)
+  assert _relerr(y, moe_ops.moe_ref(x, ids, w, g[1], u[1], d[1])) < TOL_MOE
+  g0, u0, d0 = g[0], u[0], d[0]
+  y0 = moe_pallas.moe_pallas(x, ids, w, g0, u0, d0, interpret=True, overrides=ov)
+  assert _relerr(y0, moe_ops.moe_ref(x, ids, w, g0, u0, d0)) < TOL_MOE
+  for t in range(B):
+    alone = moe_pallas.moe_pallas(x[t:t + 1], ids[t:t + 1], w[t:t + 1], g0, u0, d0, interpret=True, overrides=ov)
+    np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(y0[t]))
+  with pytest.raises(ValueError, match="KSUM"):
+    moe_pallas.moe_pallas(x, ids, w, g0, u0, d0, interpret=True, overrides={"gateup": dict(KSUM=True)})
+
+
 def test_qmatmul_stacked_layer_index_matches_reference():
   rng = np.random.default_rng(12)
   w = QTensor.from_gguf(quant.random_blocks("Q4_K", (3, 40, 512), rng), "Q4_K", 512)

@@ -126,6 +126,23 @@ def test_moe_grouped_lowers(gq, dq, platform, gemm_form):
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("dq", ["Q4_K", "IQ3_S"])
+def test_moe_down_with_the_topk_sum_lowers(platform, dq):
+  """The down kernel's KSUM option (a loop over the token's K pairs in the program) lowers, stacked and not."""
+  x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  w = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+  ov = {"down": {"KSUM": True}}
+  g, d = _abstract_qtensor("IQ3_S", (128, 768, 2048)), _abstract_qtensor(dq, (128, 2048, 768))
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, overrides=ov), x, ids, w, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
+  gs, ds = _abstract_qtensor("IQ3_S", (2, 128, 768, 2048)), _abstract_qtensor(dq, (2, 128, 2048, 768))
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(1),
+                                                                        overrides=ov), x, ids, w, gs, gs, ds)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
 def test_bench_floor_kernels_lower(platform):
   """ops.bench's part (b) floor (the step's launches without weight bytes) lowers for both GPU platforms."""
   from ops import bench

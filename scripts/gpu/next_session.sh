@@ -8,8 +8,9 @@
 # Still open after 2026-12-02 (fifteenth session: issue 7's last GPU cells ran at 9325bd7: the e2e cells meet 1.5x
 # in every cell, AN/BN at 128K; part (b) with FOLD_K timed (3 %), swept, traced; Q4_K/Q5_K bitwise on the GPU), in
 # priority order:
-#   0. Issue 3: `PART=19` (new): part (b) beside its floor (no weight bytes), separate against stacked per-layer
-#      weights, and a trace. The floor over the step says how much kernel work can still win; if the floor alone is
+#   0. Issue 3: `PART=19` (new): the down kernel with the top-k sum inside (tile option KSUM, an A/B), part (b)
+#      beside its floor (no weight bytes), separate against stacked per-layer weights, and a trace. If KSUM wins,
+#      make it the default (MOE_TUNING) and run `--check` and PART 13 (bitwise) with it. The floor over the step says how much kernel work can still win; if the floor alone is
 #      near the 70 % budget (Q4_K ~0.43 ms, IQ3_S ~0.33 ms for 48 layers), the goal needs fewer launches per layer
 #      (the top-k sum into the down kernel or the model's next norm kernel; one kernel for gate/up and down) rather
 #      than faster dequantization.
@@ -150,8 +151,12 @@ case "${PART:-1}" in
     # launches, grids and glue without weight bytes: ops.bench._floor_fn) for separate per-layer weights (the
     # default since 68b44c1, as the model) and then stacked ones (the form of every earlier part (b) figure), then a
     # trace of the separate form: are the two memcpy32_post per layer gone?
-  timeout ${T19A:-260} python3 -m ops.bench --out $OUT/kern19 --types ${TY19:-Q4_K,IQ3_S} --batches 1,4 --parts b \
-    --impls pallas --iters 20 --profile $OUT/trace19 2>&1 | filt | tee $OUT/kern19.log | grep -E "^(copy|\||profile)"
+  # The sweep first: the down kernel summing its token's top-k itself (KSUM: one XLA launch fewer per layer, 8x
+  # fewer down programs) against the default, interleaved; then the table with the floor and the trace
+  SW='[{},{"down":{"KSUM":true}},{},{"down":{"KSUM":true}},{"down":{"KSUM":true,"BN":8}},{"down":{"KSUM":true,"num_warps":8}}]'
+  timeout ${T19A:-330} python3 -m ops.bench --out $OUT/kern19 --types ${TY19:-Q4_K,IQ3_S} --batches 1,4 --parts b \
+    --impls pallas --iters 20 --sweep "$SW" --sweep_layers 48 --profile $OUT/trace19 2>&1 | filt | tee $OUT/kern19.log \
+    | grep -E "^(copy|\||profile|sweep)"
   timeout ${T19B:-160} python3 -m ops.bench --out $OUT/kern19s --types ${TY19:-Q4_K,IQ3_S} --batches 1 --parts b \
     --impls pallas --iters 20 --layer_weights stacked 2>&1 | filt | tee $OUT/kern19s.log | grep -E "^(copy|\|)"
   for t in $OUT/trace19/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
