@@ -111,6 +111,13 @@ def test_seed4_speed_bars_hold_at_1k_and_deep_cells_report_the_ratio():
   assert "|BS-AS|/AS = 4.0% (bar < 3%): FAIL" in shallow
   assert "|BN-AN|/AN = 0.0% (bar < 3%): PASS" in shallow
   assert any(v.startswith("drafts accepted AN") and v.endswith("FAIL") for v in shallow)
+  # over several seeds, a gap inside an arm's own spread is no measured difference: INCONCLUSIVE, not FAIL
+  noisy = [rec("AR", v, [1]) for v in (396.0, 401.5, 398.2)] + [rec("BR", v, [1]) for v in (388.1, 374.2, 364.4)]
+  assert ("|BR-AR|/AR = 6.0% (bar < 3%; seeds' spread AR 1.4%, BR 6.3%): INCONCLUSIVE (inside the seeds' spread)"
+          in bench._verdicts(noisy, bench.SEED4_BARS))
+  steady = [rec("AR", v, [1]) for v in (396.0, 397.0, 398.0)] + [rec("BR", v, [1]) for v in (370.0, 371.0, 372.0)]
+  assert ("|BR-AR|/AR = 6.5% (bar < 3%; seeds' spread AR 0.5%, BR 0.5%): FAIL"
+          in bench._verdicts(steady, bench.SEED4_BARS))
   deep = bench._verdicts(records, [(a, b, None if w == "decode tok/s" else t, w) for a, b, t, w in bench.SEED4_BARS])
   assert "BS/AS decode tok/s = 1.040 (deep cell: reported, no bar)" in deep
   assert any(v.startswith("drafts accepted AS") and v.endswith("PASS") for v in deep)
