@@ -236,3 +236,25 @@ def test_replay_without_a_plain_arm_compares_with_its_own_plain_requests():
   recs = [{"arm": "AR", "seed": s, "stats": st(t, p)} for s, (t, p) in enumerate([(300.0, 100.0), (330.0, 110.0),
                                                                                     (280.0, 120.0)])]
   assert bench._speedups(recs, arms, arms[0]) == "2.73x (its plain requests) (model 2.67x)"   # 300 / 110
+
+
+def test_bench_step_glue_override_switches_the_down_kernel_topk_sum():
+  """`decode.bench_step --glue on,on/ksum=1` A/Bs the MoE down kernel's in-kernel top-k sum in one process: the
+  override reaches the tile choice moe_pallas reads at trace time, plain "on" restores the default, and a bad value
+  is a usage error."""
+  from absl import app
+  from decode import bench_step
+  from ops import moe_pallas
+  down = lambda: dict(moe_pallas._cfg("down", "Q4_K", 2048, 3, None))["KSUM"]  # noqa: E731
+  default = down()
+  try:
+    bench_step._glue_tilings("on/ksum=1")
+    assert down() is True
+    bench_step._glue_tilings("on/ksum=0")
+    assert down() is False
+    bench_step._glue_tilings("on")
+    assert down() is default
+    with pytest.raises(app.UsageError, match=r"ksum=0\|1"):
+      bench_step._glue_tilings("on/ksum=2")
+  finally:
+    bench_step._glue_tilings("on")

@@ -10,7 +10,8 @@
 # priority order:
 #   0. Issue 3: `PART=19` (new): the down kernel with the top-k sum inside (tile option KSUM, an A/B), part (b)
 #      beside its floor (no weight bytes), separate against stacked per-layer weights, and a trace. If KSUM wins,
-#      make it the default (MOE_TUNING) and run `--check` and PART 13 (bitwise) with it. The floor over the step says how much kernel work can still win; if the floor alone is
+#      make it the default (MOE_TUNING) and run `--check` and PART 13 (bitwise) with it. The part ends with the
+#      model-level A/B (`bench_step --glue on,on/ksum=1,...`). The floor over the step says how much kernel work can still win; if the floor alone is
 #      near the 70 % budget (Q4_K ~0.43 ms, IQ3_S ~0.33 ms for 48 layers), the goal needs fewer launches per layer
 #      (the top-k sum into the down kernel or the model's next norm kernel; one kernel for gate/up and down) rather
 #      than faster dequantization.
@@ -161,7 +162,9 @@ case "${PART:-1}" in
     --impls pallas --iters 20 --layer_weights stacked 2>&1 | filt | tee $OUT/kern19s.log | grep -E "^(copy|\|)"
   for t in $OUT/trace19/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 20 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
-  head -30 $OUT/trace19/*.summary.txt ;;
+  head -30 $OUT/trace19/*.summary.txt
+  # the same A/B in the model's decode step (30B shape, IQ3_S experts, 1K), interleaved in one process
+  timeout ${T19C:-170} $S30 --glue on,on/ksum=1,on,on/ksum=1 --cells 4096:1024:auto:pallas 2>&1 | filt | tail -7 ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)
