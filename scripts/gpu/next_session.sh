@@ -155,16 +155,16 @@ case "${PART:-1}" in
   # The sweep first: the down kernel summing its token's top-k itself (KSUM: one XLA launch fewer per layer, 8x
   # fewer down programs) against the default, interleaved; then the table with the floor and the trace
   SW='[{},{"down":{"KSUM":true}},{},{"down":{"KSUM":true}},{"down":{"KSUM":true,"BN":8}},{"down":{"KSUM":true,"num_warps":8}}]'
-  timeout ${T19A:-330} python3 -m ops.bench --out $OUT/kern19 --types ${TY19:-Q4_K,IQ3_S} --batches 1,4 --parts b \
+  timeout ${T19A:-300} python3 -m ops.bench --out $OUT/kern19 --types ${TY19:-Q4_K,IQ3_S} --batches 1,4 --parts b \
     --impls pallas --iters 20 --sweep "$SW" --sweep_layers 48 --profile $OUT/trace19 2>&1 | filt | tee $OUT/kern19.log \
     | grep -E "^(copy|\||profile|sweep)"
-  timeout ${T19B:-160} python3 -m ops.bench --out $OUT/kern19s --types ${TY19:-Q4_K,IQ3_S} --batches 1 --parts b \
+  timeout ${T19B:-120} python3 -m ops.bench --out $OUT/kern19s --types ${TY19:-Q4_K,IQ3_S} --batches 1 --parts b \
     --impls pallas --iters 20 --layer_weights stacked 2>&1 | filt | tee $OUT/kern19s.log | grep -E "^(copy|\|)"
   for t in $OUT/trace19/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 20 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
   head -30 $OUT/trace19/*.summary.txt
   # the same A/B in the model's decode step (30B shape, IQ3_S experts, 1K), interleaved in one process
-  timeout ${T19C:-170} $S30 --glue on,on/ksum=1,on,on/ksum=1 --cells 4096:1024:auto:pallas 2>&1 | filt | tail -7 ;;
+  timeout ${T19C:-150} $S30 --glue on,on/ksum=1,on,on/ksum=1 --cells 4096:1024:auto:pallas 2>&1 | filt | tail -7 ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)
