@@ -241,20 +241,21 @@ def test_replay_without_a_plain_arm_compares_with_its_own_plain_requests():
 def test_bench_step_glue_override_switches_the_down_kernel_topk_sum():
   """`decode.bench_step --glue on,on/ksum=1` A/Bs the MoE down kernel's in-kernel top-k sum in one process: the
   override reaches the tile choice moe_pallas reads at trace time, plain "on" restores the default, and a bad value
-  is a usage error."""
-  from absl import app
-  from decode import bench_step
-  from ops import moe_pallas
-  down = lambda: dict(moe_pallas._cfg("down", "Q4_K", 2048, 3, None))["KSUM"]  # noqa: E731
-  default = down()
-  try:
-    bench_step._glue_tilings("on/ksum=1")
-    assert down() is True
-    bench_step._glue_tilings("on/ksum=0")
-    assert down() is False
-    bench_step._glue_tilings("on")
-    assert down() is default
-    with pytest.raises(app.UsageError, match=r"ksum=0\|1"):
-      bench_step._glue_tilings("on/ksum=2")
-  finally:
-    bench_step._glue_tilings("on")
+  is a usage error. (Its own process: bench_step and bench define the same absl flags.)"""
+  code = """
+from absl import app
+from decode import bench_step
+from ops import moe_pallas
+down = lambda: dict(moe_pallas._cfg("down", "Q4_K", 2048, 3, None))["KSUM"]
+default = down()
+bench_step._glue_tilings("on/ksum=1"); assert down() is True
+bench_step._glue_tilings("on/ksum=0"); assert down() is False
+bench_step._glue_tilings("on"); assert down() is default
+try:
+  bench_step._glue_tilings("on/ksum=2"); raise SystemExit("ksum=2 accepted")
+except app.UsageError as e:
+  assert "ksum=0|1" in str(e), e
+print("ok", default)
+"""
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.startswith("ok False"), r.stderr[-2000:]
