@@ -15,8 +15,8 @@ Each layer's weights are their own arrays and jit arguments, as in the model (`-
 default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
 to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first);
 that index is one more small operand per call (probably what the part (b) trace at 9325bd7 shows as two ~1 µs
-`memcpy32_post` per layer, one per kernel; the model never passes one). Layers are unrolled as in the model (`--layer_loop scan`, stacked only, for a
-lax.scan). XLA reuses one compiled Triton kernel for
+`memcpy32_post` per layer, one per kernel; the model never passes one). Layers are unrolled as in the model
+(`--layer_loop scan`, stacked only, for a lax.scan). XLA reuses one compiled Triton kernel for
 identical custom calls (`--compile_probe`: compile time of 1 and 8 identical calls; 2.7 s and 1.9 s on the H200).
 Implementations: `pallas` (ops/moe_pallas, ops/qmatmul_pallas), `xla` (the jnp reference: gather the routed
 slabs, dequantize, dot), `bf16` (dense bfloat16 weights, gather + dot; its own bytes).
@@ -142,9 +142,16 @@ def _routed_bytes(ids, per_expert_bytes):
   return int(sum(len(np.unique(ids[l])) for l in range(ids.shape[0])) * per_expert_bytes)
 
 
+def _next_x(y):
+  """The step's glue between layers: layer l's output, RMS-normalised, is layer l+1's input."""
+  import jax
+  import jax.numpy as jnp
+  return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+
+
 def _step_fn(impl, overrides, layer_loop="unroll"):
-  """(x, ids [n, T, K], w [n, T, K], (gate, up, down) stacked) -> x after layers 0 .. n-1, each reading layer l of
-  the stacks in place: unrolled (as the model) or a lax.scan (--layer_loop)."""
+  """(x, ids [n, T, K], w [n, T, K], layers) -> x after layers 0 .. n-1: `layers` a list of per-layer (gate, up,
+  down) or the stacked triple read in place; unrolled (as the model) or a lax.scan (--layer_loop)."""
   import jax
   import jax.numpy as jnp
   from ops import moe_pallas
@@ -165,7 +172,7 @@ def _step_fn(impl, overrides, layer_loop="unroll"):
       y = jnp.einsum("tkd,tk->td", jnp.einsum("tkf,tkdf->tkd", h, dd), w)
     else:
       y = _bf16_moe(x, ids, w, *((g, u, d) if l is None else (g[l], u[l], d[l])))
-    return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+    return _next_x(y)
 
   def step(x, ids, w, layers):
     if layer_loop == "scan":
@@ -220,9 +227,9 @@ def _floor_fn(qtype, interpret=False):
                          out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32), compiler_params=qp.compiler_params(cd),
                          interpret=interpret, name="floor_down")(w[l].reshape(P), h).reshape(T, K, D)
       out = y[:, 0]
-      for k in range(1, K):
+      for k in range(1, K):                  # the top-k sum in moe_pallas's order
         out = out + y[:, k]
-      x = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + 1e-6)
+      x = _next_x(out)
     return x
 
   return jax.jit(run)

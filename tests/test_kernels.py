@@ -218,6 +218,23 @@ def test_moe_down_with_the_topk_sum_matches_reference_and_is_batch_invariant(dq)
   with pytest.raises(ValueError, match="KSUM"):
     moe_pallas.moe_pallas(x, ids, w, g0, u0, d0, interpret=True, overrides={"gateup": dict(KSUM=True)})
 
+  def down_rows(overrides):                  # rows the down kernel writes: one per token with KSUM, else per pair
+    jaxpr = jax.make_jaxpr(lambda x: moe_pallas.moe_pallas(x, ids, w, g0, u0, d0, interpret=True,
+                                                           overrides=overrides))(x)
+    calls = []
+
+    def walk(jx):
+      for e in jx.eqns:
+        if e.primitive.name == "pallas_call":
+          calls.append(e.outvars[0].aval.shape)
+        for v in e.params.values():
+          sub = getattr(v, "jaxpr", v)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+    walk(jaxpr.jaxpr)
+    return calls[-1][0]
+  assert (down_rows(ov), down_rows({"gateup": dict(BN=64, S=1), "down": dict(BN=64, S=1)})) == (B, B * K)
+
 
 def test_qmatmul_stacked_layer_index_matches_reference():
   rng = np.random.default_rng(12)

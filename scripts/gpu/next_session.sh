@@ -11,8 +11,8 @@
 #   0. Issue 3: `PART=19` (new): the down kernel with the top-k sum inside (tile option KSUM, an A/B), part (b)
 #      beside its floor (no weight bytes), separate against stacked per-layer weights, and a trace. If KSUM wins,
 #      make it the default (MOE_TUNING) and run `--check` and PART 13 (bitwise) with it. The part ends with the
-#      model-level A/B (`bench_step --glue on,on/ksum=1,...`). The floor over the step says how much kernel work can still win; if the floor alone is
-#      near the 70 % budget (Q4_K ~0.43 ms, IQ3_S ~0.33 ms for 48 layers), the goal needs fewer launches per layer
+#      model-level A/B (`bench_step --glue on,on/ksum=1,...`). The floor over the step says how much kernel work
+#      can still win; if the floor alone is near the 70 % budget (Q4_K ~0.43 ms, IQ3_S ~0.33 ms for 48 layers), the goal needs fewer launches per layer
 #      (the top-k sum into the down kernel or the model's next norm kernel; one kernel for gate/up and down) rather
 #      than faster dequantization.
 #   1. Issue 3: IQ3_S's gate/up kernel runs at 671 GB/s against Q4_K's 1,107 (trace at 9325bd7): the grid-table
