@@ -10,13 +10,16 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
   a/proj a dense projection x[B, 2048] @ W[4096, 2048]^T over 16 distinct copies;
   b/step the routed-expert work of a decode step: 48 layers in one jitted call (layer l+1 takes layer l's output,
          RMS-normalised), so launch latency counts as in decoding; beside the Pallas step its floor, the same
-         launches, grids and glue without weight bytes (`_floor_fn`).
+         launches, grids and glue without weight bytes (`_floor_fn`), and both again with the calls queued back
+         to back (`queued_seconds`: one wait at the end, no per-call host dispatch in the figure);
+  launch_floor (--launch_floor 1,2,...) 48 x n chained trivial Pallas kernels, queued: the least any design
+         with n kernels per layer costs, whatever its kernels do (`_chain_fn`).
 Each layer's weights are their own arrays and jit arguments, as in the model (`--layer_weights separate`, the
 default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
-to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first);
-that index is one more small operand per call (probably what the part (b) trace at 9325bd7 shows as two ~1 µs
-`memcpy32_post` per layer, one per kernel; the model never passes one). Layers are unrolled as in the model
-(`--layer_loop scan`, stacked only, for a lax.scan). XLA reuses one compiled Triton kernel for
+to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first).
+The two ~1 µs `memcpy32_post` per layer in the part (b) traces are there in both forms (traces at a917c5b).
+Waited calls of the separate form pass hundreds of weight buffers through each dispatch; compare forms queued. Layers
+are unrolled as in the model (`--layer_loop scan`, stacked only, for a lax.scan). XLA reuses one compiled Triton kernel for
 identical custom calls (`--compile_probe`: compile time of 1 and 8 identical calls; 2.7 s and 1.9 s on the H200).
 Implementations: `pallas` (ops/moe_pallas, ops/qmatmul_pallas), `xla` (the jnp reference: gather the routed
 slabs, dequantize, dot), `bf16` (dense bfloat16 weights, gather + dot; its own bytes).
@@ -53,6 +56,9 @@ flags.DEFINE_enum("layer_loop", "unroll", ["unroll", "scan"], "layers unrolled (
                   "(XLA's GPU while loop syncs with the host every iteration)")
 flags.DEFINE_enum("layer_weights", "separate", ["separate", "stacked"], "each layer's weights as their own arrays "
                   "(as the model) or stacked over layers with a layer index into the kernels (forced by --layer_loop scan)")
+flags.DEFINE_list("launch_floor", [], "kernels per layer, e.g. 1,2,6: first time --layers x n chained trivial "
+                  "Pallas kernels (a 128-program grid each, no weight bytes), calls queued back to back: the least "
+                  "any design with n launches per layer costs (_chain_fn)")
 flags.DEFINE_boolean("compile_probe", False, "time the compile of 1 and 8 identical Pallas MoE calls first")
 flags.DEFINE_string("profile", None, "folder: after each type's cells, trace --iters calls of its part (b) Pallas step "
                     "at the first batch with jax.profiler (DIR/TYPE; summarise with scripts/gpu/trace_summary.py "
@@ -235,6 +241,44 @@ def _floor_fn(qtype, interpret=False):
   return jax.jit(run)
 
 
+def _chain_fn(n, layers, interpret=False):
+  """x [B, D] -> x + layers * n: `layers` x n chained Pallas kernels, each a grid of 128 programs in which program
+  i adds 1 to columns [i*D/128, (i+1)*D/128) of its input. Every kernel waits for the one before (its input is
+  the previous output), as a decode step's kernels do, and reads no weights: the time is launch latency and
+  dependency only, the floor under any design that runs n kernels per layer."""
+  import functools
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import pallas as pl
+  progs = 128
+
+  def kern(x_ref, o_ref, *, bw):
+    cols = pl.ds(pl.program_id(0) * bw, bw)
+    o_ref[:, cols] = x_ref[:, cols] + 1.0
+
+  def run(x):
+    bw = x.shape[1] // progs
+    call = pl.pallas_call(functools.partial(kern, bw=bw), grid=(progs,),
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret, name="floor_chain")
+    for _ in range(layers * n):
+      x = call(x)
+    return x
+
+  return jax.jit(run)
+
+
+def queued_seconds(fn, x, *rest, iters):
+  """Seconds per call of x = fn(x, *rest) run `iters` times back to back with one wait at the end (after two
+  untimed calls): the device's time per call once the host runs ahead, without a per-call dispatch in it."""
+  import jax
+  x = jax.block_until_ready(fn(jax.block_until_ready(fn(x, *rest)), *rest))
+  t = time.perf_counter()
+  for _ in range(iters):
+    x = fn(x, *rest)
+  jax.block_until_ready(x)
+  return (time.perf_counter() - t) / iters
+
+
 def _bf16_moe(x, ids, w, g, u, d):
   import jax
   import jax.numpy as jnp
@@ -391,6 +435,14 @@ def main(argv):
   emit({"cell": "copy", "GBps": copy, "argv": sys.argv[1:]})
   print(f"copy bandwidth {copy:.0f} GB/s (read + write)", flush=True)
 
+  for n in (int(v) for v in FLAGS.launch_floor):
+    x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
+    t = queued_seconds(_chain_fn(n, FLAGS.layers, FLAGS.interpret), x, iters=FLAGS.iters)
+    emit({"cell": "launch_floor", "per_layer": n, "layers": FLAGS.layers, "ms": t * 1e3,
+          "us_per_launch": t * 1e6 / (n * FLAGS.layers)})
+    print(f"launch floor: {n} kernel(s) per layer x {FLAGS.layers} layers: {t * 1e3:.3f} ms per step "
+          f"({t * 1e6 / (n * FLAGS.layers):.2f} us per launch)", flush=True)
+
   batches = [int(b) for b in FLAGS.batches]
   sweeps = json.loads(FLAGS.sweep) if FLAGS.sweep else []
   n_cells = len(FLAGS.types) * (len(sweeps) + len(batches) * len(FLAGS.impls) * len(FLAGS.parts))
@@ -454,8 +506,12 @@ def main(argv):
               t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids, w, layers, iters=FLAGS.iters)
               nbytes = _routed_bytes(ids, pe)
               rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
+              rec["queued_ms"] = 1e3 * queued_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids, w, layers,
+                                                      iters=FLAGS.iters)
               if impl == "pallas":     # the same step without weight bytes: launches, grids and glue only
-                rec["floor_ms"] = 1e3 * median_seconds(_floor_fn(q, FLAGS.interpret), x, ids, w, iters=FLAGS.iters)
+                floor = _floor_fn(q, FLAGS.interpret)
+                rec["floor_ms"] = 1e3 * median_seconds(floor, x, ids, w, iters=FLAGS.iters)
+                rec["floor_queued_ms"] = 1e3 * queued_seconds(floor, x, ids, w, iters=FLAGS.iters)
             else:
               n1 = min(8, L)
               t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
@@ -486,9 +542,9 @@ def main(argv):
 
   # markdown table, last
   print(f"\n{meta['device']}, jax {meta['jax']}, {meta['date']}; copy {copy:.0f} GB/s\n")
-  print("| type | impl | B | b: 48-layer step ms | b: floor ms | b: GB/s | b: % copy | a: layer µs | a: GB/s | a: proj µs "
-        "| a: proj GB/s |")
-  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  print("| type | impl | B | b: 48-layer step ms | b: floor ms | b: queued step / floor ms | b: GB/s | b: % copy "
+        "| a: layer µs | a: GB/s | a: proj µs | a: proj GB/s |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
   rows = {}
   for r in results:
     if r.get("cell") in ("a", "b"):
@@ -496,7 +552,7 @@ def main(argv):
   f = lambda r, k, fmt: (fmt % r[k]) if r and k in r else ("err" if r and "error" in r else "")
   for (q, impl, B), c in rows.items():
     a, b = c.get("a"), c.get("b")
-    print(f"| {q} | {impl} | {B} | {f(b, 'ms', '%.3f')} | {f(b, 'floor_ms', '%.3f')} | {f(b, 'GBps', '%.0f')} | {f(b, 'pct_copy', '%.0f')} | "
+    print(f"| {q} | {impl} | {B} | {f(b, 'ms', '%.3f')} | {f(b, 'floor_ms', '%.3f')} | {f(b, 'queued_ms', '%.3f')} / {f(b, 'floor_queued_ms', '%.3f')} | {f(b, 'GBps', '%.0f')} | {f(b, 'pct_copy', '%.0f')} | "
           f"{f(a, 'layer_us', '%.1f')} | {f(a, 'GBps', '%.0f')} | {f(a, 'proj_us', '%.1f')} | {f(a, 'proj_GBps', '%.0f')} |")
   for r in results:
     if r.get("cell") == "sweep":

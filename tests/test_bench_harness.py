@@ -83,3 +83,18 @@ def test_floor_step_runs_the_step_chain_without_weights(tiny):
     out = np.stack([sum(wn[l, t, k] * h[t][np.arange(tiny.D) % tiny.F] for k in range(tiny.TOPK)) for t in range(T)])
     ref = out / np.sqrt(np.mean(out * out, axis=-1, keepdims=True) + 1e-6)
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_launch_chain_adds_one_per_kernel_and_queued_timing_chains_calls(tiny):
+  """The launch floor runs layers x n dependent kernels over every column (x + layers * n), and queued_seconds
+  feeds each call's output to the next (two untimed + iters timed calls: x + 2 + iters)."""
+  x = jax.random.normal(jax.random.PRNGKey(2), (1, tiny.D), jnp.float32)
+  fn = tiny._chain_fn(2, 3, interpret=True)
+  np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(x) + 6, rtol=0, atol=1e-5)
+  seen = []
+
+  def count(v, inc):
+    seen.append(float(v[0, 0]))
+    return v + inc
+  assert tiny.queued_seconds(count, x, 1.0, iters=3) >= 0
+  np.testing.assert_allclose(seen, float(x[0, 0]) + np.arange(5), atol=1e-5)

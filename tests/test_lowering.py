@@ -151,3 +151,12 @@ def test_bench_floor_kernels_lower(platform):
   w = jax.ShapeDtypeStruct((2, 1, bench.TOPK), jnp.float32)
   txt = _lower(platform, bench._floor_fn("Q4_K").__wrapped__, x, ids, w)
   assert txt.count("__gpu$xla.gpu.triton") == 4                   # two layers x (gate/up-like, down-like)
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_bench_launch_chain_lowers(platform):
+  """ops.bench's launch floor (layers x n trivial dependent kernels) lowers for both GPU platforms."""
+  from ops import bench
+  x = jax.ShapeDtypeStruct((1, bench.D), jnp.float32)
+  txt = _lower(platform, bench._chain_fn(2, 3).__wrapped__, x)
+  assert txt.count("__gpu$xla.gpu.triton") == 6
