@@ -13,7 +13,8 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
          launches, grids and glue without weight bytes (`_floor_fn`), and both again with the calls queued back
          to back (`queued_seconds`: one wait at the end, no per-call host dispatch in the figure);
   launch_floor (--launch_floor 1,2,...) 48 x n chained trivial Pallas kernels, queued: the least any design
-         with n kernels per layer costs, whatever its kernels do (`_chain_fn`).
+         with n kernels per layer costs, whatever its kernels do (`_chain_fn`); with it the read-only bandwidth
+         (a sum over 2 GiB), the ceiling of a kernel that only reads weights.
 Each layer's weights are their own arrays and jit arguments, as in the model (`--layer_weights separate`, the
 default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
 to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first).
@@ -96,6 +97,15 @@ def _copy_bw(iters):
     a = jax.block_until_ready(f(a))
     ts.append(time.perf_counter() - t)
   return 2 * nbytes / statistics.median(ts) / 1e9
+
+
+def _read_bw(iters):
+  """Read-only bandwidth: a sum over 2 GiB (bytes read / time); the ceiling for a kernel that only reads weights."""
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.bits(jax.random.PRNGKey(0), (512 << 20,), jnp.uint32)
+  f = jax.jit(lambda v: jnp.sum(v, dtype=jnp.uint32))
+  return a.nbytes / median_seconds(f, a, iters=iters) / 1e9
 
 
 def _shapes():
@@ -434,6 +444,10 @@ def main(argv):
   copy = _copy_bw(FLAGS.iters)
   emit({"cell": "copy", "GBps": copy, "argv": sys.argv[1:]})
   print(f"copy bandwidth {copy:.0f} GB/s (read + write)", flush=True)
+  if FLAGS.launch_floor:                     # the floor's question also needs the read-only ceiling
+    rd = _read_bw(FLAGS.iters)
+    emit({"cell": "read", "GBps": rd})
+    print(f"read bandwidth {rd:.0f} GB/s (a sum over 2 GiB)", flush=True)
 
   for n in (int(v) for v in FLAGS.launch_floor):
     x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
