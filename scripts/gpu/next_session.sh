@@ -5,16 +5,11 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-02 (fifteenth session: issue 7's last GPU cells ran at 9325bd7: the e2e cells meet 1.5x
-# in every cell, AN/BN at 128K; part (b) with FOLD_K timed (3 %), swept, traced; Q4_K/Q5_K bitwise on the GPU), in
-# priority order:
-#   0. Issue 3: `PART=19` (new): the down kernel with the top-k sum inside (tile option KSUM, an A/B), part (b)
-#      beside its floor (no weight bytes), separate against stacked per-layer weights, and a trace. If KSUM wins,
-#      make it the default (MOE_TUNING) and run `--check` and PART 13 (bitwise) with it. The part ends with the
-#      model-level A/B (`bench_step --glue on,on/ksum=1,...`). The floor over the step says how much kernel work
-#      can still win; if the floor alone is near the 70 % budget (Q4_K ~0.43 ms, IQ3_S ~0.33 ms for 48 layers), the goal needs fewer launches per layer
-#      (the top-k sum into the down kernel or the model's next norm kernel; one kernel for gate/up and down) rather
-#      than faster dequantization.
+# Still open after 2026-12-02 (sixteenth session: PART 19 ran at a917c5b; KSUM loses 1.8x and stays off; the
+# launch floor (`ops.bench --launch_floor`, ~2 us per dependent launch) puts issue 3's B = 1 goal out of reach of
+# any per-layer launch design: PERF "Part (b) at a917c5b and after"), in priority order:
+#   0. Issue 3 is blocked on launch latency. What could unblock it, none started: a persistent multi-layer kernel
+#      (grid barriers; not in Pallas), XLA programmatic dependent launch for custom calls, or a goal at B = 4.
 #   1. Issue 3: IQ3_S's gate/up kernel runs at 671 GB/s against Q4_K's 1,107 (trace at 9325bd7): the grid-table
 #      gather's layout conversions (16 barriers, scripts/kernel_sass.py) are the known difference.
 #   2. The seed-1 TTFT anomaly at 32K (16-19 s against 8.6 s: the first prefill of a new prompt after a cached one),
