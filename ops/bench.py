@@ -18,7 +18,8 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
 Each layer's weights are their own arrays and jit arguments, as in the model (`--layer_weights separate`, the
 default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
 to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first).
-The two ~1 µs `memcpy32_post` per layer in the part (b) traces are there in both forms (traces at a917c5b).
+The routing comes in the weights' form: per-layer arrays for separate weights (up to a917c5b it was one [L, T, K]
+array whose per-layer slices cost two ~1 µs `memcpy32_post` per layer; the model has none, scripts/gpu/memcpy_probe.py).
 Waited calls of the separate form pass hundreds of weight buffers through each dispatch; compare forms queued. Layers
 are unrolled as in the model (`--layer_loop scan`, stacked only, for a lax.scan). XLA reuses one compiled Triton kernel for
 identical custom calls (`--compile_probe`: compile time of 1 and 8 identical calls; 2.7 s and 1.9 s on the H200).
@@ -144,18 +145,22 @@ def _layer(layers, l):
   return (layers[l], None) if isinstance(layers, list) else (layers, jnp.int32(l))
 
 
-def _routing(key, layers, T):
+def _routing(key, layers, T, separate=False):
+  """Expert ids [L, T, K] int32 and router weights [L, T, K]; with `separate` two lists of L per-layer arrays,
+  each its own buffer, as the model's router hands each layer its own (slicing layer l out of a [L, ...] jit
+  argument costs two device copies per layer: the `memcpy32_post` of the traces up to a917c5b)."""
   import jax
   import jax.numpy as jnp
   r = jax.random.uniform(key, (layers, T, E))
   w, ids = jax.lax.top_k(r, TOPK)
-  return ids.astype(jnp.int32), (w / jnp.sum(w, -1, keepdims=True)).astype(jnp.float32)
+  ids, w = ids.astype(jnp.int32), (w / jnp.sum(w, -1, keepdims=True)).astype(jnp.float32)
+  return (list(ids), list(w)) if separate else (ids, w)
 
 
 def _routed_bytes(ids, per_expert_bytes):
   import numpy as np
   ids = np.asarray(ids)
-  return int(sum(len(np.unique(ids[l])) for l in range(ids.shape[0])) * per_expert_bytes)
+  return int(sum(len(np.unique(np.asarray(ids[l]))) for l in range(len(ids))) * per_expert_bytes)
 
 
 def _next_x(y):
@@ -198,7 +203,7 @@ def _step_fn(impl, overrides, layer_loop="unroll"):
         l, i, ww = xs
         return layer(x, l, i, ww, *layers), None
       return jax.lax.scan(body, x, (jnp.arange(ids.shape[0], dtype=jnp.int32), ids, w))[0]
-    for l in range(ids.shape[0]):            # unrolled as the model's layers; one kernel instance (same config)
+    for l in range(len(ids)):                # unrolled as the model's layers; one kernel instance (same config)
       (g, u, d), li = _layer(layers, l)
       x = layer(x, li, ids[l], w[l], g, u, d)
     return x
@@ -233,9 +238,9 @@ def _floor_fn(qtype, interpret=False):
     o_ref[p, rows] = w_ref[p] * h_ref[p, rows % F]
 
   def run(x, ids, w):
-    T, K = ids.shape[1:]
+    T, K = ids[0].shape
     P = T * K
-    for l in range(ids.shape[0]):
+    for l in range(len(ids)):
       h = pl.pallas_call(functools.partial(gateup_like, K=K, BN=cg["BN"]), grid=(pl.cdiv(F, cg["BN"]), P),
                          out_shape=jax.ShapeDtypeStruct((P, F), jnp.float32), compiler_params=qp.compiler_params(cg),
                          interpret=interpret, name="floor_gateup")(x)
@@ -477,7 +482,7 @@ def main(argv):
     wproj = proj_copies(QTensor(repack.random_planes(jax.random.PRNGKey(7), q, (16, NPROJ, D)), q, D, "pallas"))
     proj_bytes = quant.row_bytes(q, D) * NPROJ
     for si, ov in enumerate(sweeps):
-      ids, w = _routing(jax.random.PRNGKey(11), L, 1)
+      ids, w = _routing(jax.random.PRNGKey(11), L, 1, separate=sep)
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
       ov = dict(ov)
@@ -509,7 +514,7 @@ def main(argv):
       else:
         wp = wproj
       for B in batches:
-        ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B)
+        ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B, separate=sep)
         x = jax.random.normal(jax.random.PRNGKey(3), (B, D), jnp.float32)
         pe = 3 * 2 * D * F if impl == "bf16" else per_expert
         qn = "BF16" if impl == "bf16" else q
@@ -543,7 +548,7 @@ def main(argv):
       if "bf16" in FLAGS.impls and q == FLAGS.types[0]:       # the bf16 cells replaced the quantized experts
         layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L, separate=sep)
       B = batches[0]
-      ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B)
+      ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B, separate=sep)
       x = jax.random.normal(jax.random.PRNGKey(3), (B, D), jnp.float32)
       fn = _step_fn("pallas", None, FLAGS.layer_loop)
       jax.block_until_ready(fn(x, ids, w, layers))

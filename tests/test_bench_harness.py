@@ -49,9 +49,9 @@ def test_step_paths_agree_with_float64(tiny, qtype):
   x = jax.random.normal(jax.random.PRNGKey(2), (T, tiny.D), jnp.float32)
   ref = _numpy_step(x, np.asarray(ids), np.asarray(w), layers)
   for impl in ("pallas", "xla"):
-    for loop, ws in (("unroll", layers), ("scan", layers), ("unroll", separate)):
+    for loop, ws, r in (("unroll", layers, (ids, w)), ("scan", layers, (ids, w)), ("unroll", separate, (list(ids), list(w)))):
       with jax.default_matmul_precision("highest"):
-        y = np.asarray(tiny._step_fn(impl, None, loop)(x, ids, w, ws), np.float64)
+        y = np.asarray(tiny._step_fn(impl, None, loop)(x, *r, ws), np.float64)
       assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-4, (impl, loop, type(ws))
   with pytest.raises(ValueError, match="layer_weights stacked"):
     tiny._step_fn("xla", None, "scan")(x, ids, w, separate)
@@ -77,6 +77,9 @@ def test_floor_step_runs_the_step_chain_without_weights(tiny):
   ids, w = tiny._routing(jax.random.PRNGKey(1), L, T)
   x = jax.random.normal(jax.random.PRNGKey(2), (T, tiny.D), jnp.float32)
   y = np.asarray(tiny._floor_fn("Q4_K", interpret=True)(x, ids, w), np.float64)
+  ids_l, w_l = tiny._routing(jax.random.PRNGKey(1), L, T, separate=True)         # per-layer arrays: the same step
+  assert len(ids_l) == L and all(np.array_equal(a, b) for a, b in zip(ids_l, ids))
+  np.testing.assert_array_equal(np.asarray(tiny._floor_fn("Q4_K", interpret=True)(x, ids_l, w_l)), y)
   ref, wn = np.asarray(x, np.float64), np.asarray(w, np.float64)
   for l in range(L):
     h = ref[:, :tiny.F]                                              # every routed pair copies its token's row
