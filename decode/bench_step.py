@@ -68,17 +68,19 @@ def _glue_tilings(spec: str) -> None:
     xnat=T:B+T:B | 0   ops.qmatmul_pallas.NATURAL_X_MAX_B (types read in natural x order up to B tokens; 0: none)
     gatherq=0          ops.attention_pallas.GATHER_Q off (q padded by XLA)
     ksum=1             the MoE down kernel sums the token's top-k itself (ops.moe_pallas.MOE_TUNING, tile KSUM)
+    grid16=0|1         ops.qmatmul_pallas.IQ3S_GRID16 (the IQ3_S kernels' 16-bit grid table)
   A malformed value is a one-line usage error."""
   from ops import attention_pallas, moe_pallas, qmatmul_pallas, rope_write_pallas, router_pallas
   if not _NEW_TILINGS:
     _NEW_TILINGS.update(logits=dict(router_pallas.LOGITS_TILING), route=router_pallas.ROUTE_WARPS,
                         rope=rope_write_pallas.Q_PROGRAMS, xnat=dict(qmatmul_pallas.NATURAL_X_MAX_B),
-                        gatherq=attention_pallas.GATHER_Q,
+                        gatherq=attention_pallas.GATHER_Q, grid16=qmatmul_pallas.IQ3S_GRID16,
                         moe={k: dict(v) for k, v in moe_pallas.MOE_TUNING.items()})
   router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
   router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
   qmatmul_pallas.NATURAL_X_MAX_B = dict(_NEW_TILINGS["xnat"])
   attention_pallas.GATHER_Q = _NEW_TILINGS["gatherq"]
+  qmatmul_pallas.IQ3S_GRID16 = _NEW_TILINGS["grid16"]
   moe_pallas.MOE_TUNING.clear()
   moe_pallas.MOE_TUNING.update({k: dict(v) for k, v in _NEW_TILINGS["moe"].items()})
   base, *parts = ("on/rope=1/router=32:256:4:4" if spec == "old" else spec).split("/")
@@ -97,6 +99,8 @@ def _glue_tilings(spec: str) -> None:
                                                                (v.split(":") for v in val.split("+"))}
       elif key == "gatherq":
         attention_pallas.GATHER_Q = val != "0"
+      elif key == "grid16" and val in ("0", "1"):
+        qmatmul_pallas.IQ3S_GRID16 = val == "1"
       elif key == "ksum" and val in ("0", "1"):
         for (kernel, _), tiles in moe_pallas.MOE_TUNING.items():
           if kernel == "down":
@@ -105,7 +109,7 @@ def _glue_tilings(spec: str) -> None:
         raise ValueError(key)
     except ValueError:
       raise app.UsageError(f"--glue {spec!r}: override {part!r}, expected rope=N, router=P:DC:W:RW, "
-                           f"xnat=T:B+T:B or 0, gatherq=0, ksum=0|1") from None
+                           f"xnat=T:B+T:B or 0, gatherq=0, ksum=0|1, grid16=0|1") from None
 
 
 def _random_kv(store, n_live: int, seed: int):

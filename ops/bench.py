@@ -49,7 +49,8 @@ flags.DEFINE_integer("layers", 48, "layers in part b")
 flags.DEFINE_integer("iters", 10, "timed calls per cell (median)")
 flags.DEFINE_boolean("check", False, "first compare the compiled kernels with the reference on small shapes")
 flags.DEFINE_string("sweep", "", "JSON list of tile overrides {'gateup': {...}, 'down': {...}, 'proj': {...}, "
-                    "'fold_k': bool (qmatmul_pallas.FOLD_K, the Q4_K / Q5_K tile's form)}: "
+                    "'fold_k': bool (qmatmul_pallas.FOLD_K, the Q4_K / Q5_K tile's form), 'iq3s_grid16': bool "
+                    "(qmatmul_pallas.IQ3S_GRID16, the IQ3_S grid table's form)}: "
                     "part b/a at B=1 for each, before the main run")
 flags.DEFINE_integer("sweep_layers", 16, "layers per sweep cell")
 flags.DEFINE_list("shape", ["2048", "768", "128", "8", "4096"], "D, F, experts, top-k, projection rows (smoke tests)")
@@ -67,6 +68,7 @@ flags.DEFINE_string("profile", None, "folder: after each type's cells, trace --i
                     "--steps ITERS: per-kernel time per step and the device's idle gaps)")
 
 D, F, E, TOPK, NPROJ = 2048, 768, 128, 8, 4096
+SWITCHES = {"fold_k": "FOLD_K", "iq3s_grid16": "IQ3S_GRID16"}    # sweep key -> ops/qmatmul_pallas switch
 SWEEP_LAYERS = 16
 
 
@@ -419,7 +421,7 @@ def main(argv):
 
   global D, F, E, TOPK, NPROJ, SWEEP_LAYERS
   from ops import qmatmul_pallas as _qp
-  fold_default = _qp.FOLD_K
+  switch_defaults = {name: getattr(_qp, name) for name in SWITCHES.values()}
   SWEEP_LAYERS = FLAGS.sweep_layers
   D, F, E, TOPK, NPROJ = (int(v) for v in FLAGS.shape)
   if FLAGS.interpret:
@@ -486,10 +488,11 @@ def main(argv):
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
       ov = dict(ov)
-      fold = ov.pop("fold_k", _qp.FOLD_K)                 # the K-quant tile's form, read at trace time
-      if fold != _qp.FOLD_K:
-        _qp.FOLD_K = fold
-        jax.clear_caches()                                 # the kernels' jit caches do not key on it
+      for key_, name in SWITCHES.items():                  # tile forms read at trace time
+        v = bool(ov.pop(key_, switch_defaults[name]))
+        if v != getattr(_qp, name):
+          setattr(_qp, name, v)
+          jax.clear_caches()                               # the kernels' jit caches do not key on them
       try:
         t = median_seconds(_step_fn("pallas", ov, FLAGS.layer_loop), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
         rec.update(ms=t * 1e3, layers=SWEEP_LAYERS, GBps=_routed_bytes(ids[:SWEEP_LAYERS], per_expert) / t / 1e9)
@@ -501,8 +504,9 @@ def main(argv):
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       emit(rec)
       prog.step(f"sweep {q} {si}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
-    if _qp.FOLD_K != fold_default:                         # the cells below run the default form
-      _qp.FOLD_K = fold_default
+    if any(getattr(_qp, n) != v for n, v in switch_defaults.items()):   # the cells below run the default forms
+      for n, v in switch_defaults.items():
+        setattr(_qp, n, v)
       jax.clear_caches()
     for impl in sorted(FLAGS.impls, key=lambda i: i == "bf16"):   # bf16 last: it replaces the weights
       if impl == "bf16":

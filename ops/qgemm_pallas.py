@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ops import quant, repack
-from ops.qmatmul_pallas import (MAGIC23, ONE, Q8_FLIP, KERNEL_TYPES, _f16hi, _f16lo, _f32, _iota, _shl,
-                                compiler_params, table)
+from ops.qmatmul_pallas import (ONE, Q8_FLIP, KERNEL_TYPES, _f16hi, _f16lo, _f32, _iota, _shl,
+                                compiler_params, iq3s_grid, table)
 
 U32, I32, F32, BF16 = jnp.uint32, jnp.int32, jnp.float32, jnp.bfloat16
 
@@ -237,12 +237,12 @@ def _values_iq3_s(ld, tab):
   sc = ld("scales")[:, :, None, None, None]
   a_, pp, w2 = _iota((1, 1, 2, 4, 1), 2), _iota((1, 1, 2, 4, 1), 3), _iota((1, 1, 1, 1, 2), 4)
   db = d * (1 + 2 * ((sc >> (4 * (4 * a_ + pp))) & 15)).astype(I32).astype(F32)   # [BN, S, 2, 4, 1]
-  magic = tab[512 + MAGIC23]
+  gather, magnitude = iq3s_grid(tab)
   for cb in range(4):
     idx = ((qs >> (8 * cb)) & 255) | (((qh >> (8 * pp + 4 * w2 + cb)) & 1) << 8)
-    gw = tab[idx.astype(I32)]                                          # [BN, S, 2, 4, 2]: 4 magnitude bytes
+    gw = gather(idx)                                                   # [BN, S, 2, 4, 2]: the grid words
     for m in range(4):
-      mag = _f32((_shl(gw, -8 * m) & 0xFF) | magic) - 8388608.0
+      mag = magnitude(gw, m)
       sbit = (sg << (31 - (16 * w2 + 4 * cb + m))) & jnp.uint32(0x80000000)
       yield 4 * cb + m, db * _f32(jax.lax.bitcast_convert_type(mag, U32) ^ sbit)
 

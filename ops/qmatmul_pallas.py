@@ -77,15 +77,40 @@ _CONSTS = np.array([0x3F800000, 0x3FC00000, 0x4B000000] + [0] * 13, np.uint32)
 ONE, Q8_FLIP, MAGIC23 = 0, 1, 2
 
 
+# IQ3_S grid table form, read at trace time (the kernels' jit caches do not key on it: jax.clear_caches() after a
+# change, as ops.bench's sweep does). False: uint32 entries of 4 magnitude bytes (2 KB, 16 L1 lines). True: uint16
+# entries of 4 x 3-bit codes c (magnitude 2c + 1: the grid holds only odd 1..15), 1 KB, 8 lines: a warp's gather
+# of 32 random entries touches about half as many lines; the decode stays one shift and one LOP3 per value.
+IQ3S_GRID16 = False
+
+
 def table(qtype: str) -> jax.Array:
-  """The table input of a type's kernel: IQ3_S grid (uint32 of 4 magnitude bytes) then _CONSTS at 512; IQ4
-  levels (float32 [16]); _CONSTS for the other types."""
+  """The table input of a type's kernel: IQ3_S grid (uint32 of 4 magnitude bytes, or with IQ3S_GRID16 uint16 of 4
+  3-bit codes) then _CONSTS at 512 (as uint16 halves, low first, in the 16-bit form); IQ4 levels (float32 [16]);
+  _CONSTS for the other types."""
   if qtype == "IQ3_S":
-    g = quant.IQ3_S_GRID.astype(np.uint32)                        # [512, 4], entries 1..15
+    g = quant.IQ3_S_GRID.astype(np.uint32)                        # [512, 4], entries 1, 3, .., 15
+    if IQ3S_GRID16:
+      c = (g - 1) // 2
+      codes = c[:, 0] | (c[:, 1] << 3) | (c[:, 2] << 6) | (c[:, 3] << 9)
+      halves = np.stack([_CONSTS & 0xFFFF, _CONSTS >> 16], axis=1).reshape(-1)
+      return jnp.asarray(np.concatenate([codes, halves]).astype(np.uint16))
     return jnp.asarray(np.concatenate([g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16) | (g[:, 3] << 24), _CONSTS]))
   if qtype in ("IQ4_NL", "IQ4_XS"):
     return jnp.asarray(quant.IQ4_NL_LEVELS.astype(np.float32))
   return jnp.asarray(_CONSTS)
+
+
+def iq3s_grid(tab):
+  """(gather, magnitude) for the IQ3_S table in use: gather(idx) -> the grid words of 9-bit indices (uint32),
+  magnitude(words, m) -> float32 magnitude m (1..15) of each word, via the 2^23 exponent trick."""
+  if IQ3S_GRID16:
+    magic1 = ((tab[512 + 2 * MAGIC23 + 1].astype(U32) << 16) | tab[512 + 2 * MAGIC23].astype(U32)) | 1
+    return (lambda idx: tab[idx.astype(I32)].astype(U32),
+            lambda w, m: _f32((_shl(w, 1 - 3 * m) & 0xE) | magic1) - 8388608.0)   # 2c + 1 under 2^23
+  magic = tab[512 + MAGIC23]
+  return (lambda idx: tab[idx.astype(I32)],
+          lambda w, m: _f32((_shl(w, -8 * m) & 0xFF) | magic) - 8388608.0)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -256,13 +281,13 @@ def _tile_iq3_s(ld, xs, tab):
   sc = ld("scales")[:, :, None, None, None]                            # [BN, S, 1, 1, 1]
   a_, pp, w2 = _iota((1, 1, 2, 4, 1), 2), _iota((1, 1, 2, 4, 1), 3), _iota((1, 1, 1, 1, 2), 4)
   db = d * (1 + 2 * ((sc >> (4 * (4 * a_ + pp))) & 15)).astype(I32).astype(F32)   # [BN, S, 2, 4, 1]
-  magic = tab[512 + MAGIC23]
+  gather, magnitude = iq3s_grid(tab)
   acc = [None] * len(xs)
   for cb in range(4):
     idx = ((qs >> (8 * cb)) & 255) | (((qh >> (8 * pp + 4 * w2 + cb)) & 1) << 8)
-    gw = tab[idx.astype(I32)]                                          # [BN, S, 2, 4, 2] uint32
+    gw = gather(idx)                                                   # [BN, S, 2, 4, 2] uint32
     for m in range(4):
-      mag = _f32((_shl(gw, -8 * m) & 0xFF) | magic) - 8388608.0
+      mag = magnitude(gw, m)
       sbit = (sg << (31 - (16 * w2 + 4 * cb + m))) & jnp.uint32(0x80000000)
       v = _f32(jax.lax.bitcast_convert_type(mag, U32) ^ sbit)
       for bi, xv in enumerate(xs):

@@ -239,8 +239,8 @@ def test_replay_without_a_plain_arm_compares_with_its_own_plain_requests():
 
 
 def test_bench_step_glue_override_switches_the_down_kernel_topk_sum():
-  """`decode.bench_step --glue on,on/ksum=1` A/Bs the MoE down kernel's in-kernel top-k sum in one process: the
-  override reaches the tile choice moe_pallas reads at trace time, plain "on" restores the default, and a bad value
+  """`decode.bench_step --glue on,on/ksum=1` A/Bs the MoE down kernel's in-kernel top-k sum in one process (and
+  grid16=1 the IQ3_S grid table's form): the override reaches the choice the kernels read at trace time, plain "on" restores the default, and a bad value
   is a usage error. (Its own process: bench_step and bench define the same absl flags.)"""
   code = """
 from absl import app
@@ -251,6 +251,11 @@ default = down()
 bench_step._glue_tilings("on/ksum=1"); assert down() is True
 bench_step._glue_tilings("on/ksum=0"); assert down() is False
 bench_step._glue_tilings("on"); assert down() is default
+from ops import qmatmul_pallas
+g16 = qmatmul_pallas.IQ3S_GRID16
+bench_step._glue_tilings("on/grid16=1"); assert qmatmul_pallas.IQ3S_GRID16 is True
+bench_step._glue_tilings("on/grid16=0"); assert qmatmul_pallas.IQ3S_GRID16 is False
+bench_step._glue_tilings("on"); assert qmatmul_pallas.IQ3S_GRID16 is g16
 try:
   bench_step._glue_tilings("on/ksum=2"); raise SystemExit("ksum=2 accepted")
 except app.UsageError as e:

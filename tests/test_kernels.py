@@ -131,6 +131,43 @@ def test_k_quant_tile_forms_match_reference(qtype, fold, retrace):
   assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
 
 
+def test_iq3s_grid_forms_are_bitwise_the_same(retrace):
+  """The 16-bit IQ3_S grid table (qmatmul_pallas.IQ3S_GRID16: 4 x 3-bit codes, magnitude 2c + 1) decodes to the
+  GGUF grid; the projection and the prefill GEMM give bitwise the results of the 32-bit table (the same
+  magnitudes reach the same arithmetic), the MoE kernels the same within float rounding; all match the reference."""
+  rng = _rng("iq3s-grid16")
+  K, N, E, F, D = 512, 37, 4, 256, 512
+  w = QTensor.from_gguf(quant.random_blocks("IQ3_S", (N, K), rng), "IQ3_S", K)
+  w48 = QTensor.from_gguf(quant.random_blocks("IQ3_S", (48, K), rng), "IQ3_S", K)
+  x = jnp.asarray(rng.standard_normal((3, K)).astype(np.float32))
+  xt = jnp.asarray(rng.standard_normal((17, K)).astype(np.float32))
+  g, u = (QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng), "IQ3_S", D) for _ in range(2))
+  d = QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, D, F), rng), "IQ3_S", F)
+  xm = jnp.asarray(rng.standard_normal((2, D)).astype(np.float32))
+  ids = jnp.asarray([[0, 3], [2, 1]], jnp.int32)
+  wk = jnp.asarray(rng.random((2, 2)).astype(np.float32))
+  out = {}
+  for form in (False, True):
+    retrace(qmatmul_pallas, "IQ3S_GRID16", form)
+    tab = np.asarray(qmatmul_pallas.table("IQ3_S"))
+    if form:
+      assert tab.dtype == np.uint16 and tab.nbytes < 1200
+      codes = tab[:512].astype(np.int64)
+      grid = np.stack([2 * ((codes >> (3 * m)) & 7) + 1 for m in range(4)], axis=1)
+      np.testing.assert_array_equal(grid, quant.IQ3_S_GRID)
+    out[form] = [qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, overrides=dict(BN=16, S=2)),
+                 moe_pallas.moe_pallas(xm, ids, wk, g, u, d, interpret=True),
+                 qgemm_pallas.qgemm_pallas(xt, w48, interpret=True, overrides=dict(BN=16))]
+    assert _relerr(out[form][0], qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
+    assert _relerr(out[form][1], moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
+    assert _relerr(out[form][2], qmatmul.qmatmul_ref(xt, w48)) < TOL_MATMUL
+  for i in (0, 2):
+    np.testing.assert_array_equal(np.asarray(out[False][i]), np.asarray(out[True][i]))
+  # the MoE chain in interpret mode: XLA CPU compiles the two graphs' sums in different orders (1.6e-7); a wrong
+  # magnitude would be off by 1e-2 or more
+  assert _relerr(out[True][1], out[False][1]) < 1e-6
+
+
 # every type appears once as gate/up and once as down
 _PAIRS = [(TYPES[i], TYPES[(i + 1) % len(TYPES)]) for i in range(len(TYPES))]
 

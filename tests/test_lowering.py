@@ -160,3 +160,20 @@ def test_bench_launch_chain_lowers(platform):
   x = jax.ShapeDtypeStruct((1, bench.D), jnp.float32)
   txt = _lower(platform, bench._chain_fn(2, 3).__wrapped__, x)
   assert txt.count("__gpu$xla.gpu.triton") == 6
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_iq3s_grid16_kernels_lower(platform, retrace):
+  """With the 16-bit IQ3_S grid table (qmatmul_pallas.IQ3S_GRID16: a uint16 gather) the projection, the MoE
+  kernels and the prefill GEMM still lower for both GPU platforms."""
+  retrace(qmatmul_pallas, "IQ3S_GRID16", True)
+  w = _abstract_qtensor("IQ3_S", (4096, 2048))
+  x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w), x, w)
+  xt = jax.ShapeDtypeStruct((64, 2048), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), xt, w)
+  g, d = _abstract_qtensor("IQ3_S", (128, 768, 2048)), _abstract_qtensor("IQ3_S", (128, 2048, 768))
+  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  wk = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d), x, ids, wk, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
