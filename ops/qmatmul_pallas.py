@@ -81,6 +81,8 @@ ONE, Q8_FLIP, MAGIC23 = 0, 1, 2
 # change, as ops.bench's sweep does). False: uint32 entries of 4 magnitude bytes (2 KB, 16 L1 lines). True: uint16
 # entries of 4 x 3-bit codes c (magnitude 2c + 1: the grid holds only odd 1..15), 1 KB, 8 lines: a warp's gather
 # of 32 random entries touches about half as many lines; the decode stays one shift and one LOP3 per value.
+# Measured on the H200 at 14c6abb (PERF "IQ3_S with a 16-bit grid table"): part (b) equal, the 30B step 3-5 %
+# slower, so off: the gather's line count is not what holds IQ3_S's gate/up back.
 IQ3S_GRID16 = False
 
 

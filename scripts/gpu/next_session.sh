@@ -10,8 +10,9 @@
 # any per-layer launch design: PERF "Part (b) at a917c5b and after"), in priority order:
 #   0. Issue 3 is blocked on launch latency. What could unblock it, none started: a persistent multi-layer kernel
 #      (grid barriers; not in Pallas), XLA programmatic dependent launch for custom calls, or a goal at B = 4.
-#   1. Issue 3: IQ3_S's gate/up kernel runs at 671 GB/s against Q4_K's 1,107 (trace at 9325bd7): the grid-table
-#      gather's layout conversions (16 barriers, scripts/kernel_sass.py) are the known difference.
+#   1. Issue 3: IQ3_S's gate/up kernel runs at ~670 GB/s against Q4_K's ~1,110 (traces at 9325bd7, 2c10895): the
+#      grid-table gather's layout conversions (16 barriers, scripts/kernel_sass.py) are the known difference; a
+#      table half the size (IQ3S_GRID16, 14c6abb) did not help, so not the gather's cache lines.
 #   2. The seed-1 TTFT anomaly at 32K (16-19 s against 8.6 s: the first prefill of a new prompt after a cached one),
 #      and seed 0's prefill 14-19 % slower at 1K in every e2e run.
 #   3. Prefill levers: the prefill attention kernel's ~70 TFLOP/s (the 128K prompt: 158 s / 139 s at 9325bd7).
