@@ -14,7 +14,9 @@
 #      grid-table gather's layout conversions (16 barriers, scripts/kernel_sass.py) are the known difference; a
 #      table half the size (IQ3S_GRID16, 14c6abb) did not help, so not the gather's cache lines.
 #   2. The seed-1 TTFT anomaly at 32K (16-19 s against 8.6 s: the first prefill of a new prompt after a cached one),
-#      and seed 0's prefill 14-19 % slower at 1K in every e2e run.
+#      and seed 0's prefill 14-19 % slower at 1K in every e2e run. A lead (read in the code, unmeasured): generate's
+#      TTFT window holds start_request whole, i.e. init_state's pinned host-tier allocation (6.9 GB at 139K, ~4 s)
+#      and PrefillCache.put's eviction of the older prompt's entries (their pinned tiers freed) besides the prefill.
 #   3. Prefill levers: the prefill attention kernel's ~70 TFLOP/s (the 128K prompt: 158 s / 139 s at 9325bd7).
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
