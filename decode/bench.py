@@ -201,7 +201,8 @@ def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffe
                                replay_ids=plain.ids if plain else None, prefill_cache=prefill_cache)
   st = dict(res.stats)
   if plain is not None:     # the plain request replay drafts from: the same run's plain speed beside the drafted one
-    st["plain"] = {key: plain.stats.get(key) for key in ("decode_tok_s", "ttft_s", "prefill_reused")}
+    st["plain"] = {key: plain.stats.get(key) for key in ("decode_tok_s", "ttft_s", "setup_s", "prefill_s",
+                                                         "prefill_reused")}
   # a reused prefill's TTFT is the original request's (its compiling run): no prefill figure from it. A replay
   # request reuses its plain request's prefill: where that one prefilled, its TTFT is the figure
   src = plain.stats if plain is not None and st.get("prefill_reused") else st
@@ -241,8 +242,10 @@ def _log_result(arm: Arm, seed: int, st: dict) -> None:
   drafts = (f", drafts accepted/proposed per position {st['drafts_accepted']}/{st['drafts_proposed']}"
             if st.get("drafts_proposed") else "")
   prefill = "reused" if st.get("prefill_tok_s") is None else f"{st['prefill_tok_s']:.0f} tok/s"
-  CELL_LOG.info("cell %s seed %d: %d prompt tokens, TTFT %.3f s, prefill %s, %d tokens at %.2f tok/s decode%s",
-               arm.name, seed, st["prompt_tokens"], st["ttft_s"], prefill, st["generated_tokens"],
+  split = (f" (setup {st['setup_s']:.3f} s" + (f", prefill {st['prefill_s']:.3f} s)" if st.get("prefill_s") is not None
+                                                else ")")) if st.get("setup_s") is not None else ""
+  CELL_LOG.info("cell %s seed %d: %d prompt tokens, TTFT %.3f s%s, prefill %s, %d tokens at %.2f tok/s decode%s",
+               arm.name, seed, st["prompt_tokens"], st["ttft_s"], split, prefill, st["generated_tokens"],
                st["decode_tok_s"], drafts)
 
 

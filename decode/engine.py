@@ -186,6 +186,9 @@ class Started:
   cap: int
   grow: bool
   reused_s: float | None = None   # the prompt came from a PrefillCache: seconds its original prefill took
+  setup_s: float = 0.0            # start_request's seconds outside the prefill: checks, the state's allocation
+                                  # (a host tier's pinned memory), a cache hit's copy, a cache entry's bookkeeping
+  prefill_s: float | None = None  # seconds of the prefill itself, waited for (None on a cache hit)
 
 
 def _fresh(tree):
@@ -265,6 +268,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   power-of-two bucket from 1024 holding the request (or `ring_start` tokens, then grown); with a fixed R and
   max_context > R, positions older than the ring's window live in the host tier. With `prefill_cache` a prompt
   prefilled before under the same ring, tier and chunking is copied instead of run again (Started.reused_s)."""
+  t_in = time.perf_counter()
   if not prompt:
     raise RequestError("prompt: empty, expected at least one token")
   slack = k + 1 if k else 0
@@ -293,14 +297,17 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   if hit is not None:
     ring, tier, logits, hidden = _fresh(hit[0])
     state = commit_for_store(state.replace(ring=ring, host=tier), params, model.cfg)
-    return Started(state, logits, hidden, cap, grow=not fixed, reused_s=hit[1])
+    jax.block_until_ready((state, logits))
+    return Started(state, logits, hidden, cap, grow=not fixed, reused_s=hit[1], setup_s=time.perf_counter() - t_in)
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
   t0 = time.perf_counter()
   logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk, prefill_tail(chunk))
+  jax.block_until_ready(logits)                            # the caller waits for the first token right after
+  prefill_s = time.perf_counter() - t0
   if key is not None:
-    jax.block_until_ready(logits)
-    prefill_cache.put(key, (_fresh((state.ring, state.host, logits, hidden)), time.perf_counter() - t0, params))
-  return Started(state, logits, hidden, cap, grow=not fixed)
+    prefill_cache.put(key, (_fresh((state.ring, state.host, logits, hidden)), prefill_s, params))
+  return Started(state, logits, hidden, cap, grow=not fixed, setup_s=time.perf_counter() - t_in - prefill_s,
+                 prefill_s=prefill_s)
 
 
 def cache_counts(state: api.ModelState) -> dict | None:
@@ -419,7 +426,8 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     dt = time.perf_counter() - t1
     ids = [int(i) for i in np.asarray(ls.out)[:count]]
     state = ls.model
-  stats = {"prompt_tokens": len(prompt), "generated_tokens": len(ids), "ttft_s": ttft,
+  stats = {"prompt_tokens": len(prompt), "generated_tokens": len(ids), "ttft_s": ttft, "setup_s": st.setup_s,
+           "prefill_s": st.prefill_s,
            "decode_s": dt, "decode_tok_s": (len(ids) - 1) / dt if dt > 0 and len(ids) > 1 else 0.0,
            "kv": gen.kv, "kv_resident": cap, "eager": eager, "prefill_reused": st.reused_s is not None,
            "ring_buckets": [cap] if eager else buckets, "expert_cache": cache_stats(state, len(ids), prefilled)}

@@ -273,7 +273,8 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   ids = [int(i) for i in np.asarray(s.hist)[T: T + min(got, n)]]
   rounds = int(s.rounds)
   prop, accd = np.asarray(s.proposed).tolist(), np.asarray(s.accepted).tolist()
-  stats = {"prompt_tokens": T, "generated_tokens": len(ids), "ttft_s": ttft, "decode_s": dt,
+  stats = {"prompt_tokens": T, "generated_tokens": len(ids), "ttft_s": ttft, "setup_s": st.setup_s,
+           "prefill_s": st.prefill_s, "decode_s": dt,
            "decode_tok_s": (got - 1) / dt if dt > 0 else 0.0, "kv": gen.kv, "kv_resident": cap, "eager": eager,
            "prefill_reused": st.reused_s is not None, "drafter": drafter, "k": k, "rounds": rounds,
            "drafts_proposed": prop, "drafts_accepted": accd,

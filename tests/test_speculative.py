@@ -159,10 +159,16 @@ def test_prefill_cache_reuse_changes_no_token():
     assert got.ids == plain.ids
   assert got.stats["prefill_reused"] and not plain.stats["prefill_reused"]
   assert got.stats["ttft_s"] > 0 and (cache.hits, cache.misses) == (1, 1)
+  # TTFT's parts: a prefilling request's setup (checks, allocation, the cache's bookkeeping) and prefill are inside
+  # its window; a hit has no prefill of its own
+  assert plain.stats["prefill_s"] > 0 and plain.stats["setup_s"] >= 0
+  assert plain.stats["setup_s"] + plain.stats["prefill_s"] <= plain.stats["ttft_s"]
+  assert got.stats["prefill_s"] is None and 0 <= got.stats["setup_s"] <= got.stats["ttft_s"]
   for drafter in ("mtp", "lookup", "mtp"):
     alone = speculative_generate(m, prompt, drafter=drafter, k=3, mtp_window=256, **kw)
     shared = speculative_generate(m, prompt, drafter=drafter, k=3, mtp_window=256, prefill_cache=cache, **kw)
     assert alone.ids == shared.ids == plain.ids
+    assert alone.stats["setup_s"] + alone.stats["prefill_s"] <= alone.stats["ttft_s"]
     assert (alone.stats["drafts_proposed"], alone.stats["drafts_accepted"]) == \
         (shared.stats["drafts_proposed"], shared.stats["drafts_accepted"])
   assert (cache.hits, cache.misses, len(cache)) == (4, 1, 1)
