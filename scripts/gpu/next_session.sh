@@ -17,6 +17,9 @@
 #      and seed 0's prefill 14-19 % slower at 1K in every e2e run. A lead (read in the code, unmeasured): generate's
 #      TTFT window holds start_request whole, i.e. init_state's pinned host-tier allocation (6.9 GB at 139K, ~4 s)
 #      and PrefillCache.put's eviction of the older prompt's entries (their pinned tiers freed) besides the prefill.
+#      Since 3b011d8 every request's stats split TTFT into setup_s and prefill_s (the bench logs them per run): run
+#      `python3 scripts/gpu/tier_alloc_probe.py` (a 139K tier's pinned allocation and free, ~1 min; not yet run) and
+#      the 32K seed4 cells (PART 3 with --depths 32768) and read the split in <cells>.logs/.
 #   3. Prefill levers: the prefill attention kernel's ~70 TFLOP/s (the 128K prompt: 158 s / 139 s at 9325bd7).
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
