@@ -13,8 +13,8 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
          launches, grids and glue without weight bytes (`_floor_fn`), and both again with the calls queued back
          to back (`queued_seconds`: one wait at the end, no per-call host dispatch in the figure);
   launch_floor (--launch_floor 1,2,...) 48 x n chained trivial Pallas kernels, queued: the least any design
-         with n kernels per layer costs, whatever its kernels do (`_chain_fn`); with it the read-only bandwidth
-         (a sum over 2 GiB), the ceiling of a kernel that only reads weights.
+         with n kernels per layer costs, whatever its kernels do (`_chain_fn`); with it the read rate of XLA's
+         sum over 2 GiB (`_read_bw`: below the copy figure on the H200, so not a ceiling).
 Each layer's weights are their own arrays and jit arguments, as in the model (`--layer_weights separate`, the
 default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
 to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first).
@@ -103,7 +103,8 @@ def _copy_bw(iters):
 
 
 def _read_bw(iters):
-  """Read-only bandwidth: a sum over 2 GiB (bytes read / time); the ceiling for a kernel that only reads weights."""
+  """Read-only rate of XLA's sum over 2 GiB (bytes read / time). Not a ceiling: on the H200 it measured below the
+  copy figure (2,955-3,049 against 3,267-3,373 GB/s, PERF); printed beside the launch floor for comparison."""
   import jax
   import jax.numpy as jnp
   a = jax.random.bits(jax.random.PRNGKey(0), (512 << 20,), jnp.uint32)
@@ -162,7 +163,7 @@ def _routing(key, layers, T, separate=False):
 def _routed_bytes(ids, per_expert_bytes):
   import numpy as np
   ids = np.asarray(ids)
-  return int(sum(len(np.unique(np.asarray(ids[l]))) for l in range(len(ids))) * per_expert_bytes)
+  return int(sum(len(np.unique(ids[l])) for l in range(len(ids))) * per_expert_bytes)
 
 
 def _next_x(y):
