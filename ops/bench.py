@@ -62,6 +62,8 @@ flags.DEFINE_enum("layer_weights", "separate", ["separate", "stacked"], "each la
 flags.DEFINE_list("launch_floor", [], "kernels per layer, e.g. 1,2,6: first time --layers x n chained trivial "
                   "Pallas kernels (a 128-program grid each, no weight bytes), calls queued back to back: the least "
                   "any design with n launches per layer costs (_chain_fn)")
+flags.register_validator("launch_floor", lambda v: all(s.isdigit() and int(s) > 0 for s in v),
+                         "--launch_floor: expected positive integers (kernels per layer), e.g. 1,2,6")
 flags.DEFINE_boolean("compile_probe", False, "time the compile of 1 and 8 identical Pallas MoE calls first")
 flags.DEFINE_string("profile", None, "folder: after each type's cells, trace --iters calls of its part (b) Pallas step "
                     "at the first batch with jax.profiler (DIR/TYPE; summarise with scripts/gpu/trace_summary.py "
@@ -452,10 +454,10 @@ def main(argv):
   copy = _copy_bw(FLAGS.iters)
   emit({"cell": "copy", "GBps": copy, "argv": sys.argv[1:]})
   print(f"copy bandwidth {copy:.0f} GB/s (read + write)", flush=True)
-  if FLAGS.launch_floor:                     # the floor's question also needs the read-only ceiling
+  if FLAGS.launch_floor:                     # beside the floor: XLA's read rate (not a ceiling, see _read_bw)
     rd = _read_bw(FLAGS.iters)
     emit({"cell": "read", "GBps": rd})
-    print(f"read bandwidth {rd:.0f} GB/s (a sum over 2 GiB)", flush=True)
+    print(f"XLA sum read rate {rd:.0f} GB/s (over 2 GiB)", flush=True)
 
   for n in (int(v) for v in FLAGS.launch_floor):
     x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)

@@ -13,7 +13,6 @@ import argparse
 import collections
 import functools
 import glob
-import gzip
 import json
 import os
 
@@ -21,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+import trace_summary                       # beside this script (scripts/gpu/)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default="/tmp/memcpy_probe")
@@ -82,14 +83,6 @@ def moe_variant():
   return f
 
 
-def events(path):
-  d = json.load(gzip.open(path))
-  ev = d["traceEvents"] if isinstance(d, dict) else d
-  dev = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
-         and any(s in str(e.get("args", {}).get("name", "")) for s in ("GPU", "/device:"))}
-  return [e for e in ev if e.get("ph") == "X" and e.get("pid") in dev and "dur" in e]
-
-
 x0 = jnp.ones((1, D), jnp.float32)
 t0 = jnp.asarray(TAB)
 i0 = jnp.arange(8, dtype=jnp.int32).reshape(1, 8)
@@ -104,7 +97,7 @@ for name, fn in [("plain", plain), ("const_table", const_table), ("arg_table", a
       y = f(y, t0, i0)
     jax.block_until_ready(y)
   path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-  ks = events(path)
+  ks = trace_summary.load(path)[2]
   cnt, dur = collections.Counter(e["name"] for e in ks), collections.Counter()
   for e in ks:
     dur[e["name"]] += e["dur"]
