@@ -92,7 +92,7 @@ def request_params(model, gen: GenConfig) -> dict:
   reuse them. model.params itself is untouched, so its device copy of the experts stays alive beside the host one."""
   if not gen.expert_slots:
     return model.params
-  from decode import expert_cache as xc
+  from model import expert_cache as xc
   kind = gen.expert_store or xc.store_memory_kind()
   if kind == "device":
     return model.params
@@ -111,7 +111,7 @@ def commit_for_store(tree, params, cfg: ModelConfig):
   host memory), else `tree` itself. A jitted call with committed inputs returns committed outputs, so its other
   inputs must be committed up front or the next call, fed those outputs, compiles again (a 32K prompt with a
   tier compiled its second 1,024-token chunk anew on the H200: 13 s). Committed arrays stay where they are."""
-  from decode import expert_cache as xc
+  from model import expert_cache as xc
   held = any(isinstance(x, jax.Array) and x.committed for x in jax.tree.leaves(tree))
   if not held and all(k == "device" for ks in xc.store_kinds(params, cfg).values() for k in ks):
     return tree
@@ -125,10 +125,10 @@ def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, s
   empty expert cache over the store of `params` (default model.params)."""
   state = api.init_state(model.cfg, cap, gen.kv, mtp_window=mtp_window, scratch=scratch)
   if host:
-    from decode.host_tier import HostTier, place_on_host
+    from model.host_tier import HostTier, place_on_host
     state = state.replace(host=place_on_host(HostTier.like(state.ring, host)))
   if gen.expert_slots:
-    from decode import expert_cache
+    from model import expert_cache
     params = model.params if params is None else params
     state = state.replace(experts=expert_cache.create(params, model.cfg, gen.expert_slots, gen.expert_policy))
   return state

@@ -85,7 +85,7 @@ def run() -> dict:
     # a GPU): device memory never holds them all, so the plan's free memory is real
     store = None
     if FLAGS.expert_cache != "all":
-      from decode.expert_cache import store_memory_kind
+      from model.expert_cache import store_memory_kind
       store = store_memory_kind()
     model = load_model(path, FLAGS.cache_dir, expert_store=store)
     model.params = with_kernels(model.params, _kernels())
@@ -102,7 +102,7 @@ def run() -> dict:
       import dataclasses
       gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
     elif store not in (None, "device"):             # auto found that every expert fits: back to the device
-      from decode.expert_cache import place_store
+      from model.expert_cache import place_store
       model.params = place_store(model.params, model.cfg, "device")
     if FLAGS.plan:
       print(plan.table(), file=sys.stderr if FLAGS.json else sys.stdout)

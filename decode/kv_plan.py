@@ -166,7 +166,7 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
               mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk, fixed_ring=fixed_ring)
   if expert_cache == "all":
     return make_plan(model.cfg, **base).check(), None
-  from decode import expert_cache as xc
+  from model import expert_cache as xc
   slab = max(xc.slab_bytes(model.params, model.cfg).values())
   n_experts_total = len(xc.expert_blocks(model.cfg)) * model.cfg.n_experts
   cached = dict(base, prefill_chunk=cached_chunk or prefill_chunk)

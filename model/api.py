@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from decode import host_tier
-from decode.kv_ring import KVRing
+from model import host_tier
+from model.kv_ring import KVRing
 from model.config import ModelConfig
 from model.transformer import Decoder, MTPBlock
 
@@ -36,8 +36,8 @@ MATMUL_PRECISION = "highest"
 class ModelState:
   ring: KVRing                    # main K/V ring (capacity R static)
   mtp_ring: KVRing | None = None  # NextN drafter ring (capacity W static): entry j is the draft input at position j
-  experts: object | None = None   # decode.expert_cache.ExpertCache (None: every expert resident)
-  host: object | None = None      # decode.host_tier.HostTier: positions older than the ring's window
+  experts: object | None = None   # model.expert_cache.ExpertCache (None: every expert resident)
+  host: object | None = None      # model.host_tier.HostTier: positions older than the ring's window
 
 
 def init_state(cfg: ModelConfig, capacity: int, kv: str = "bf16", mtp_window: int | None = None,

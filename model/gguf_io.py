@@ -288,7 +288,7 @@ def _to_param(qtype: str, data: np.ndarray, shape: tuple[int, ...]):
 
 def load_params(f: GGUFFile, c: ModelConfig, place=None) -> dict:
   """The params pytree (nested dicts of arrays / QTensors) for `c` from file `f`; `place(path, param)`, when
-  given, is applied to each param as soon as it is built (e.g. decode.expert_cache.placer: the routed experts
+  given, is applied to each param as soon as it is built (e.g. model.expert_cache.placer: the routed experts
   go to host memory one tensor at a time)."""
   params: dict = {}
   for path, (name, shape) in tensor_map(c, f).items():

@@ -51,12 +51,12 @@ def load_model(path: str, cache_dir: str | None = None, expert_store: str | None
       cfg, params, tok_md = got
       logging.info("loaded %s from cache %s", path, entry)
       if store:
-        from decode.expert_cache import place_store
+        from model.expert_cache import place_store
         params = place_store(params, cfg, store)
       return LoadedModel(cfg, fuse_qkv(params), Tokenizer.from_metadata(tok_md), path, True, time.perf_counter() - t0)
   place = None
   if store:
-    from decode.expert_cache import placer
+    from model.expert_cache import placer
     place = placer(store)
   cfg, params, tok, f = load_gguf(path, place)
   if cache_dir:

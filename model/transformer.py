@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from decode.host_tier import tier_block
-from decode.kv_ring import KVRing
+from model.host_tier import tier_block
+from model.kv_ring import KVRing
 from model.config import ModelConfig
 from ops import attention as attn_ops
 from ops import moe as moe_ops
@@ -34,7 +34,7 @@ from ops.qtensor import QTensor, as_dense
 # q/k norm + RoPE + ring write) whenever the block's quantized matmuls run Pallas kernels ("pallas" | "interpret"):
 # fewer launches, and every token's row computed the same way whatever T is, so a verify pass reproduces the plain
 # steps bitwise on the GPU (DESIGN invariant 3; XLA's reductions are not batch-invariant there). False: the jnp ops
-# (the A/B of `decode.bench_step --glue`). Read at trace time.
+# (the A/B of `bench.step --glue`). Read at trace time.
 GLUE_KERNELS = True
 
 _init = nn.initializers.normal(0.02)
@@ -177,7 +177,7 @@ class DenseMLP(nn.Module):
 class MoE(nn.Module):
   """Routed experts (softmax top-k, or sigmoid with a selection bias) plus an optional shared expert.
 
-  With an expert cache (decode/expert_cache.py) the routed experts are read from its device slots, loading
+  With an expert cache (model/expert_cache.py) the routed experts are read from its device slots, loading
   misses from the store (the params' expert tensors); prefill-sized steps (T * k > E) read the store directly
   (moved to the device first when it lives in pinned host memory).
   """
@@ -204,7 +204,7 @@ class MoE(nn.Module):
       # routed-expert tensors host -> device (for a prefill, once per MoE block per chunk; a transient device
       # buffer of one block's experts, which XLA may overlap with its neighbours'), the cost a host store implies.
       # A no-op when the experts are on the device.
-      from decode import expert_cache as xc
+      from model import expert_cache as xc
       gate, up, down = (xc.to_device(t) for t in (gate, up, down))
       y = moe_ops.moe(x_TD, ids, w, gate, up, down)
     else:
@@ -225,7 +225,7 @@ class MoE(nn.Module):
 def _cached_moe(x_TD, ids_TK, w_TK, gate, up, down, ecache, block, n_experts):
   """The routed experts through the expert cache: all of a step's experts at once when they fit the pool
   (bitwise the computation of the all-resident path), else token by token."""
-  from decode import expert_cache as xc
+  from model import expert_cache as xc
   T, K = ids_TK.shape
   S = ecache.pools[ecache.pool_of_block[block]].n_slots
   if T * K <= S:

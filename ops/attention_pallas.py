@@ -42,7 +42,7 @@ Tiling.
           multiplies p's column before it. Every output row depends only on its own query row (an MMA's
           row is a dot of that row), so 1 query and k+1 verify queries agree.
 
-The model's ring keeps one array per layer (decode/kv_ring.py), passed as is; a caller holding a stacked
+The model's ring keeps one array per layer (model/kv_ring.py), passed as is; a caller holding a stacked
 [L, R, ...] ring passes it whole with the layer index (`layer=`, an int32 input): slicing `ring.k[L]` outside
 would make XLA copy the layer (R-proportional bytes) before the custom call. Per-row arithmetic depends on
 positions only, and the schedule on the live tile count only, so rings of any capacity give bitwise-equal
@@ -307,7 +307,7 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
 
   k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
   k_scale/v_scale: [(L,) R, Hkv] or None. bk, n_splits, num_warps, num_stages override the tuning table (tests,
-  ops.bench_attention); dots picks the MMA scheme ("tf32x3" | "bf16x2", default DEFAULT_DOTS, see dots_for).
+  bench.attention); dots picks the MMA scheme ("tf32x3" | "bf16x2", default DEFAULT_DOTS, see dots_for).
   With with_lse, returns (out, lse [T, Hq]): the log-sum-exp of each row's scaled scores (-inf where no key was
   visible), as ops.attention.attention_with_lse, for an exact merge with another partial (the host tier).
   With count_visits, also returns the number of tiles each program visited, [Hkv, S] int32.

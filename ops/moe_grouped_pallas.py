@@ -17,7 +17,7 @@ never read. They are weighted by the router and summed over k in a fixed order (
 tile of its expert (NT / E ~ P / (M E) + 1 times); the MMAs do P * 3 * F * D * 2 * 3 flops.
 
 Reference: ops/moe.moe_ref. Interpret mode and abstract CUDA/ROCm lowering are tested on CPU
-(tests/test_kernels.py, tests/test_lowering.py).
+(tests/ops/test_kernels.py, tests/ops/test_lowering.py).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ and the word's place in its block is the *word* index. With the lane fixed, the 
 [BN, S * words] tile whose values need no movement between registers. `VALUES[qtype]` yields one such piece
 per lane. x is laid out to match (`x_pieces`: [R, lanes, nb * words]), so lane l of blocks [b0, b0 + S) is one
 2-D load, and each piece is one [M, S * words] x [S * words, BN] product. `PIECES` gives each type's split of
-a block's value index into lane and word axes; `tests/test_kernels.py` checks the pieces against x_pieces of
+a block's value index into lane and word axes; `tests/ops/test_kernels.py` checks the pieces against x_pieces of
 the dequantized weights.
 
 Precision (the float32-accurate form "presplit"; GEMM_FORMS lists the others, and the GPU default is "x1", one
@@ -27,7 +27,7 @@ changes no greedy-exactness invariant.
 
 Reference: ops/qmatmul.qmatmul_ref (dense) and ops/moe.moe_ref (grouped, via ops/moe_grouped_pallas). Tile sizes:
 `TUNING` (BN, S, warps; both clipped to divisors of the rows and blocks) and M (rows per tile) from the caller. Tests: interpret mode on CPU against the references
-for every type, and lowering for an abstract CUDA and ROCm device (tests/test_lowering.py).
+for every type, and lowering for an abstract CUDA and ROCm device (tests/ops/test_lowering.py).
 """
 from __future__ import annotations
 

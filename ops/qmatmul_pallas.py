@@ -19,7 +19,7 @@ Arithmetic, per value, without int->float conversions (quarter-rate on GPUs):
 
 The per-type tiles (`TILES`) are shared with the MoE kernel (ops/moe_pallas.py). `TUNING` holds the tile
 sizes per type; `qmatmul_pallas` is jitted with them static. Tests run it with interpret=True on CPU and lower
-it for abstract CUDA and ROCm devices (tests/test_lowering.py).
+it for abstract CUDA and ROCm devices (tests/ops/test_lowering.py).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ ONE, Q8_FLIP, MAGIC23 = 0, 1, 2
 
 
 # IQ3_S grid table form, read at trace time (the kernels' jit caches do not key on it: jax.clear_caches() after a
-# change, as ops.bench's sweep does). False: uint32 entries of 4 magnitude bytes (2 KB, 16 L1 lines). True: uint16
+# change, as bench.kernels's sweep does). False: uint32 entries of 4 magnitude bytes (2 KB, 16 L1 lines). True: uint16
 # entries of 4 x 3-bit codes c (magnitude 2c + 1: the grid holds only odd 1..15), 1 KB, 8 lines: a warp's gather
 # of 32 random entries touches about half as many lines; the decode stays one shift and one LOP3 per value.
 # Measured on the H200 at 14c6abb (PERF "IQ3_S with a 16-bit grid table"): part (b) equal, the 30B step 3-5 %

@@ -3,7 +3,7 @@
 `dequantize(data_u8, qtype, n)` turns packed rows (uint8 [..., row_bytes(qtype, n)]) into float32 [..., n].
 It is pure jnp (shifts, masks, `jnp.take` on small tables), jittable and vectorised over any leading dims
 (rows, experts, ...); `qtype` and `n` are static Python values. The result equals
-`gguf.quants.dequantize(bytes, GGMLQuantizationType[qtype])` in every bit (tests/test_dequant.py).
+`gguf.quants.dequantize(bytes, GGMLQuantizationType[qtype])` in every bit (tests/ops/test_dequant.py).
 
 Float32 rounding: a float16 scale has 11 significant bits and every integer factor it meets is below 2^12
 (Q6_K: |scale * q| <= 128 * 32; IQ4_XS: 32 * 127; K-quants: 63 * 31), so all products are exact in

@@ -7,7 +7,7 @@ reductions, four ring updates, the splits between them), each a launch of ~1-2 Â
 480 launches per step on a 48-layer model. One launch does all of it (a few programs per token).
 
 `rope_write_ref` is the reference: the model's own jnp ops (ops.layers.rms_norm, ops.layers.rope_neox and
-decode.kv_ring.KVRing.write), which the kernel must match; `rope_write` dispatches.
+model.kv_ring.KVRing.write), which the kernel must match; `rope_write` dispatches.
 
 Kernel. Grid (T, Hq / HB + 1): program (t, j < Hq / HB) does HB q heads of token t, program (t, Hq / HB) its k and v
 and the ring write. A program reads row t of qkv as [H, Dh] head tiles, computes the norm
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from decode.kv_ring import KVRing
+from model.kv_ring import KVRing
 from ops.layers import rms_norm, rope_neox
 
 IMPLS = ("ref", "pallas", "interpret")

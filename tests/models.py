@@ -5,12 +5,12 @@ through MOEJAX_TEST_MODELS, when set).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import tempfile
 
 from configs.presets import TINY_GLM4MOE, TINY_QWEN2MOE, TINY_QWEN3MOE
 from model.writer import float_policy, write_gguf
+from tools.llama_ref import quantize, tensor_types  # noqa: F401  (re-exported for the tests)
 
 CFGS = {"qwen3moe": TINY_QWEN3MOE, "glm4moe": TINY_GLM4MOE, "qwen2moe": TINY_QWEN2MOE}
 # llama.cpp's quantizer mixes (what `llama-quantize` writes for these file types).
@@ -44,19 +44,3 @@ def model_path(arch: str, kind: str) -> str:
     quantize(model_path(arch, "F32"), tmp, kind)
   os.replace(tmp, path)
   return path
-
-
-def quantize(src: str, dst: str, mix: str) -> None:
-  """llama.cpp's own quantizer (`llama_model_quantize`), no importance matrix."""
-  import llama_cpp
-  p = llama_cpp.llama_model_quantize_default_params()
-  p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{mix}")
-  p.nthread = 2
-  rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p))
-  if rc != 0:
-    raise RuntimeError(f"llama_model_quantize({src} -> {mix}) returned {rc}")
-
-
-def tensor_types(path: str) -> dict[str, str]:
-  import gguf
-  return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}

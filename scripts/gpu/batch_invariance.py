@@ -75,7 +75,7 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
            lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu), x, ids, wts)
 
 # decode attention: the T rows of a verify pass against each query alone at its own causal length
-from decode.kv_ring import KVRing  # noqa: E402
+from model.kv_ring import KVRing  # noqa: E402
 from ops import attention  # noqa: E402
 Hq, Hkv, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 for depth in (1000, 1025):            # 1025: the pass's last query opens a key tile its first query does not see
@@ -166,7 +166,8 @@ for rw in a.glue.split(","):
 
 # the trunk beside an active host tier (ring 512 under max_context 4,096, a 1,500-token prompt: positions have left
 # the window), as the seed4 arms at 32K and 128K run it
-from decode import engine, host_tier  # noqa: E402
+from decode import engine  # noqa: E402
+from model import host_tier
 
 
 def tiered_state():

@@ -17,7 +17,7 @@ import numpy as np
 
 from configs.presets import preset
 from configs.vocab import load_vocab
-from decode import expert_cache as xc
+from model import expert_cache as xc
 from decode.engine import generate
 from model import api
 from model.loader import LoadedModel

@@ -2,7 +2,7 @@
 fusion of XLA's optimized HLO, plain Python.
 
   XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_loop.*" \
-    python -m decode.bench_step ... --profile TRACE
+    python -m bench.step ... --profile TRACE
   python scripts/gpu/hlo_fusions.py DIR/*after_optimizations.txt TRACE/.../perfetto_trace.json.gz --steps 32
 
 Prints, per kernel name (a fusion's name with dots as underscores, or a custom call's), ms per step, launches per

@@ -72,7 +72,8 @@ def ids(x, t, i):
 
 
 def moe_variant():
-  from ops import bench, moe_pallas
+  from bench import kernels as bench
+  from ops import moe_pallas
   layers = bench._experts(jax.random.PRNGKey(0), "Q4_K", 4, separate=True)
   r, w = bench._routing(jax.random.PRNGKey(1), 4, 1)
 

@@ -6,7 +6,7 @@
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
 # Still open after 2026-12-02 (sixteenth session: PART 19 ran at a917c5b; KSUM loses 1.8x and stays off; the
-# launch floor (`ops.bench --launch_floor`, ~2 us per dependent launch) puts issue 3's B = 1 goal out of reach of
+# launch floor (`bench.kernels --launch_floor`, ~2 us per dependent launch) puts issue 3's B = 1 goal out of reach of
 # any per-layer launch design: PERF "Part (b) at a917c5b and after"), in priority order:
 #   0. Issue 3 is blocked on launch latency. What could unblock it, none started: a persistent multi-layer kernel
 #      (grid barriers; not in Pallas), XLA programmatic dependent launch for custom calls, or a goal at B = 4.
@@ -29,7 +29,7 @@ source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call that compile the same function
 filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
-S30="python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl"
+S30="python3 -m bench.step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl"
 case "${PART:-1}" in
 1)  # issue 7: fused q/k/v A/B; issue 4: the host tier since commit 1496654 (ring part on the decode kernel,
     # write-only evict), 1K..128K, plain evict first, then the idle-evict cond (its own timeout: a seed4 run with
@@ -42,43 +42,43 @@ case "${PART:-1}" in
   ;;
 2)  # issue 5: k = 1 and 3 in one run with their plain arm, lookup with draftless rounds as plain steps; issue 7:
     # prefill chunk 4 and 16 against the default 8 (16 runs the reference attention: the kernel takes T <= 8)
-  timeout 330 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas \
+  timeout 330 python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas \
     --drafts none,replay@1,replay@3,lookup@3 --seeds 1 --max_new_tokens 64 --depths 1024 --rings 4096 \
     --cells $OUT/rounds.jsonl 2>&1 | filt | tee $OUT/rounds.log | grep -v "^$" | tail -12
   for c in 4 16; do
-    timeout 100 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas --drafts none \
+    timeout 100 python3 -m bench.cells --preset qwen3moe-30b-a3b --in_memory --kernels pallas --drafts none \
       --depths 1024 --rings 4096 --max_new_tokens 32 --seeds 2 --prefill_chunk $c --cells $OUT/prefill.jsonl \
       2>&1 | filt | tail -3
   done ;;
 3)  # issue 7 item 3: the seed's arms on the GPU with the Pallas kernels, 3 seeds; max_context 139,264 over rings of
     # 32K/48K attaches a host tier (idle at 1K depth). Two arms per call (ONLY=AN,BN etc.: ~5 min on one GPU at
     # 490ae0f). The idle-tier skip is on (SKIP=--nohost_skip_idle: the tier's path every step, as at 490ae0f)
-  timeout ${T3:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
+  timeout ${T3:-560} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
     --expert_cache auto ${ONLY:+--only $ONLY} \
     ${SKIP:---host_skip_idle} --max_new_tokens 256 --seeds ${SEEDS:-3} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
 4)  # issue 6: the seed's 24 GiB card on seed-mtp (experts do not fit: auto slots), ring +16K, drafts on/off
-  timeout 560 python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
+  timeout 560 python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
     --expert_cache auto --rings 32768,49152 --drafts none,replay@3 --depths 1024 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xcache.jsonl 2>&1 | filt | tail -12 ;;
 5)  # issue 6: tok/s and hit rate against slots on the 30B shape (all experts fit 24 GiB there: a slot sweep). A
     # 256-token prompt: with slots the prefill runs at ~50 tok/s (every chunk misses), 20 s per 1,024 tokens
-  timeout 560 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
+  timeout 560 python3 -m bench.cells --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
     --expert_cache all,5120,4096,2048,1024 --rings 4096 --drafts none --depths 256 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
 6)  # issue 3: part (b) for the other types at B = 1, 4, 16 against XLA (done 2026-11-30 17:11: T6=0 skips it),
     # then their --check on the GPU (C6: the types to check; Q8_0 and Q6_K passed at 17:11)
-  [ "${T6:-300}" != 0 ] && timeout ${T6:-300} python3 -m ops.bench --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
+  [ "${T6:-300}" != 0 ] && timeout ${T6:-300} python3 -m bench.kernels --out $OUT/kern --types Q8_0,Q6_K,IQ4_XS,IQ4_NL,Q5_K --batches 1,4,16 \
     --impls pallas,xla --parts b --iters 10 2>&1 | filt | tee $OUT/kern.log | tail -14
-  timeout ${T6C:-200} python3 -m ops.bench --out $OUT/kern --check --types ${C6:-IQ4_XS,IQ4_NL,Q5_K} --batches 1 \
+  timeout ${T6C:-200} python3 -m bench.kernels --out $OUT/kern --check --types ${C6:-IQ4_XS,IQ4_NL,Q5_K} --batches 1 \
     --impls pallas --parts b --layers 2 --iters 1 2>&1 | grep --line-buffered "^check" ;;
 8)  # issue 6, PART 4 made to fit (a 1,024-token prompt through slots runs at ~80 tok/s: 13 s a run): the seed's
     # 24 GiB card on seed-mtp at depth 256, ring 32K and 48K, MTP off and on (replay k = 3), one seed
-  timeout ${T8:-560} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
+  timeout ${T8:-560} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
     --expert_cache auto --rings ${R8:-49152,32768} --drafts ${D8:-none,replay@3} --depths 256 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xcache.jsonl 2>&1 | filt | tail -12 ;;
 9)  # issue 6: the 30B slot sweep with the prefill/decode split of the cache counters (commit 21b9083), a short
     # prompt (64 tokens: prefill through slots is slow) so that four arms fit
-  timeout ${T9:-560} python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
+  timeout ${T9:-560} python3 -m bench.cells --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
     --expert_cache ${X9:-1024,all} --rings 4096 --drafts none --depths 64 --max_new_tokens 64 --seeds 1 \
     --cells $OUT/xslots.jsonl 2>&1 | filt | tail -10 ;;
 11) # issue 7 (the prefill goal): the tensor-core GEMMs of ops/qgemm_pallas, compiled check and kernel timings, then
@@ -125,15 +125,15 @@ case "${PART:-1}" in
   for c in $OUT/trace/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --top 25 --gaps ${GAP16:-30} > $c.summary.txt 2>&1; rm -rf $c; done
   head -80 $OUT/trace/*.summary.txt 2>/dev/null
-  [ "${E16:-1}" != 0 ] && for x in IQ3_S Q4_K; do timeout 200 python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory \
+  [ "${E16:-1}" != 0 ] && for x in IQ3_S Q4_K; do timeout 200 python3 -m bench.cells --preset qwen3moe-30b-a3b --in_memory \
     --kernels pallas --drafts none --depths 1024 --max_new_tokens 256 --seeds 3 --experts $x --cells $OUT/e2e.jsonl 2>&1 | filt | tail -3; done ;;
 17) # issue 7 item 3: a deep request with the host tier stage by stage (the second prefill compile is gone since 1911e7e?
     # random_params threaded since 5924a88?), then one pair of seed4 arms at one depth (ONLY17=AN,BN | AR,BR | AS,BS;
     # D17=32768 | 131072), records per timed run in seed4-deep.jsonl (they survive a timeout); T17A=0 skips the probe.
-    # Join the calls' records into one table with `python -m decode.bench --arms seed4 --depths D --report a,b`
+    # Join the calls' records into one table with `python -m bench.cells --arms seed4 --depths D --report a,b`
   [ "${T17A:-240}" != 0 ] && timeout ${T17A:-240} python3 scripts/gpu/tier_probe.py --preset seed-mtp --depth ${D17:-32768} --ring 32768 --max_context 139264 --requests ${R17:-lookup} --steps 32 \
     2>&1 | tr '\r' '\n' | grep --line-buffered -E "^stage|^  chunk|Error" | tee $OUT/tier.log
-  [ "${T17B:-400}" != 0 ] && timeout ${T17B:-400} python3 -m decode.bench --preset seed-mtp --in_memory --kernels pallas --arms seed4 \
+  [ "${T17B:-400}" != 0 ] && timeout ${T17B:-400} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --arms seed4 \
     --only ${ONLY17:-AN,BN} --depths ${D17:-32768} --expert_cache auto --max_new_tokens 256 --seeds ${SEEDS:-1} --max_context 139264 \
     --reuse_prefill --cells $OUT/seed4-deep.jsonl 2>&1 | filt | grep -vE "^(W|I)[0-9]" | tee $OUT/seed4-deep.log | tail -12 ;;
 18) # issue 3: part (b) at B = 1 taken apart. A sweep against the default (split K of gate/up over KS programs, stages,
@@ -142,24 +142,24 @@ case "${PART:-1}" in
   # first, interleaved; then --check (compiled kernels against the reference) for Q4_K and Q5_K
   SW='[{},{"fold_k":false},{},{"fold_k":false},{"gateup":{"KS":2}},{"gateup":{"KS":4}},{"gateup":{"KS":8}},
       {"gateup":{"num_stages":3},"down":{"num_stages":3}},{"gateup":{"BN":8,"KS":2}},{"down":{"BN":32}},{}]'
-  timeout ${T18:-420} python3 -m ops.bench --out $OUT/kern18 --types ${TY18:-Q4_K,IQ3_S} --batches 1 --parts b --impls pallas \
+  timeout ${T18:-420} python3 -m bench.kernels --out $OUT/kern18 --types ${TY18:-Q4_K,IQ3_S} --batches 1 --parts b --impls pallas \
     --sweep "$SW" --sweep_layers 48 --iters 10 --profile $OUT/trace18 2>&1 | filt | grep -E "^(sweep|copy|\||profile)"
-  timeout ${T18C:-120} python3 -m ops.bench --out $OUT/kern18 --check --types Q4_K,Q5_K --batches 1 --parts b \
+  timeout ${T18C:-120} python3 -m bench.kernels --out $OUT/kern18 --check --types Q4_K,Q5_K --batches 1 --parts b \
     --impls pallas --layers 2 --iters 1 2>&1 | grep --line-buffered "^check"
   for t in $OUT/trace18/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 10 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
   head -40 $OUT/trace18/*.summary.txt ;;
 19) # issue 3: how much of the B = 1 step any kernel change could still win. Part (b) with its floor (the same
-    # launches, grids and glue without weight bytes: ops.bench._floor_fn) for separate per-layer weights (the
+    # launches, grids and glue without weight bytes: bench.kernels._floor_fn) for separate per-layer weights (the
     # default since 68b44c1, as the model) and then stacked ones (the form of every earlier part (b) figure), then a
     # trace of the separate form: are the two memcpy32_post per layer gone?
   # The sweep first: the down kernel summing its token's top-k itself (KSUM: one XLA launch fewer per layer, 8x
   # fewer down programs) against the default, interleaved; then the table with the floor and the trace
   SW='[{},{"down":{"KSUM":true}},{},{"down":{"KSUM":true}},{"down":{"KSUM":true,"BN":8}},{"down":{"KSUM":true,"num_warps":8}}]'
-  timeout ${T19A:-300} python3 -m ops.bench --out $OUT/kern19 --types ${TY19:-Q4_K,IQ3_S} --batches 1,4 --parts b \
+  timeout ${T19A:-300} python3 -m bench.kernels --out $OUT/kern19 --types ${TY19:-Q4_K,IQ3_S} --batches 1,4 --parts b \
     --impls pallas --iters 20 --sweep "$SW" --sweep_layers 48 --profile $OUT/trace19 2>&1 | filt | tee $OUT/kern19.log \
     | grep -E "^(copy|\||profile|sweep)"
-  timeout ${T19B:-120} python3 -m ops.bench --out $OUT/kern19s --types ${TY19:-Q4_K,IQ3_S} --batches 1 --parts b \
+  timeout ${T19B:-120} python3 -m bench.kernels --out $OUT/kern19s --types ${TY19:-Q4_K,IQ3_S} --batches 1 --parts b \
     --impls pallas --iters 20 --layer_weights stacked 2>&1 | filt | tee $OUT/kern19s.log | grep -E "^(copy|\|)"
   for t in $OUT/trace19/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 20 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
@@ -170,24 +170,24 @@ case "${PART:-1}" in
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)
   timeout ${T14A:-200} python3 scripts/gpu/gemm_paths.py ${TL14:+--tiles "$TL14"} 2>&1 | tee $OUT/gemm_paths.log | grep -E "^(check|time|fail|shape)"
-  [ "${T14B:-300}" != 0 ] && timeout ${T14B:-300} python3 -m decode.bench --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
+  [ "${T14B:-300}" != 0 ] && timeout ${T14B:-300} python3 -m bench.cells --preset qwen3moe-30b-a3b --in_memory --kernels pallas \
     --drafts none --depths 1024 --max_new_tokens 256 --seeds 3 --experts Q4_K --cells $OUT/e2e-q4k.jsonl 2>&1 | filt | tail -8 ;;
 10) # issue 7 (the 1K goal): Q8_0 projection tiles at the 30B shapes, fused q/k/v (N 5,120, K 2,048) and o (N 2,048,
-    # K 4,096); in the model they run at ~1 TB/s. ops.bench's projection cells are unrolled since this commit
+    # K 4,096); in the model they run at ~1 TB/s. bench.kernels's projection cells are unrolled since this commit
   SW='[{"proj":{"BN":16,"S":32}},{"proj":{"BN":8,"S":32}},{"proj":{"BN":32,"S":32}},{"proj":{"BN":16,"S":64}},
       {"proj":{"BN":16,"S":16}},{"proj":{"BN":8,"S":64,"num_warps":2}},{"proj":{"BN":16,"S":32,"num_warps":8}},
       {"proj":{"BN":16,"S":32,"num_stages":3}},{"proj":{"BN":8,"S":128}}]'
   for sh in 2048,768,128,8,5120 4096,768,128,8,2048; do
-    timeout 240 python3 -m ops.bench --out $OUT/proj --types Q8_0 --batches 1 --parts a --impls pallas --layers 2 \
+    timeout 240 python3 -m bench.kernels --out $OUT/proj --types Q8_0 --batches 1 --parts a --impls pallas --layers 2 \
       --sweep_layers 2 --shape $sh --sweep "$SW" --iters 20 2>&1 | filt | grep -E "^sweep|^copy|^\| Q8_0"
   done ;;
 7)  # issue 7 (decode goal at 32K): decode-attention variants (MMA scheme, tile, warps, stages, splits) on the
     # 30B attention shape, int8 KV, T = 1 and T = 8; then the step with the current kernel, bf16x2 and the
     # fastest variant at 32K, interleaved in one process; then Q4_K experts (issue 7's second anchor)
   V=tf32x3:64:4:2,bf16x2:64:4:2,bf16x2:64:4:3,bf16x2:128:4:2,bf16x2:128:8:2,bf16x2:128:8:3,bf16x2:256:8:2,bf16x2:64:4:2:128,tf32x3:64:4:2:128
-  timeout 100 python3 -m ops.bench_attention --kv int8 --depths 1024,8192,32768,131072 --capacities 131072 \
+  timeout 100 python3 -m bench.attention --kv int8 --depths 1024,8192,32768,131072 --capacities 131072 \
     --impls= --variants $V 2>&1 | filt | tee $OUT/attn.log | grep -E "^\||GB/s" | grep -v "^I" 
-  timeout 40 python3 -m ops.bench_attention --kv int8 --T 8 --depths 1024,32768 --capacities 32768 \
+  timeout 40 python3 -m bench.attention --kv int8 --T 8 --depths 1024,32768 --capacities 32768 \
     --impls= --variants tf32x3:64:4:2,bf16x2:64:4:2,bf16x2:128:8:2 2>&1 | filt | tee $OUT/attn8.log | grep "^|"
   best=$(python3 scripts/gpu/best_attn.py $OUT/attn.log 32768 bf16x2/64/4/2); echo "best at 32K: $best"
   A="tf32x3/64/4/2 bf16x2/64/4/2 $best"; C=""

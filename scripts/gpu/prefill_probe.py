@@ -12,7 +12,7 @@ import time
 
 import jax
 
-sys.argv, argv = sys.argv[:1], sys.argv[1:]      # decode.bench defines absl flags; keep ours out of them
+sys.argv, argv = sys.argv[:1], sys.argv[1:]      # bench.cells defines absl flags; keep ours out of them
 ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="qwen3moe-30b-a3b")
 ap.add_argument("--experts", default="IQ3_S")
@@ -27,7 +27,8 @@ ap.add_argument("--variants", default="default", help="';'-separated settings, e
                 "ops.moe_grouped_pallas.GATHER_X: kernel | xla)")
 args = ap.parse_args(argv)
 
-from decode import bench, engine  # noqa: E402
+from bench import cells as bench
+from decode import engine  # noqa: E402
 from ops import attention, moe_grouped_pallas, qgemm_pallas  # noqa: E402
 from ops.qtensor import with_kernels  # noqa: E402
 

@@ -6,7 +6,7 @@ the optimized HLO by shape (ring-shaped ones flagged).
 
   python scripts/gpu/ring_copies.py [--preset tiny-glm4moe] [--ring 1024] [--host 8192] [--dump DIR]
 
-tests/test_ring.py::test_host_tier_steps_never_copy_the_ring is the CPU check of the same property.
+tests/model/test_ring.py::test_host_tier_steps_never_copy_the_ring is the CPU check of the same property.
 """
 import argparse
 import collections
@@ -17,7 +17,8 @@ import re
 import jax
 import jax.numpy as jnp
 
-from decode import bench, speculative as sp
+from bench import cells as bench
+from decode import speculative as sp
 from decode.engine import GenConfig, LoopState, decode_loop, start_request
 from ops.qtensor import with_kernels
 

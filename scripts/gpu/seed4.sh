@@ -4,5 +4,5 @@
 set -o pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m decode.bench --preset seed-mtp --in_memory --arms seed4k --depths 1024 --max_new_tokens ${NEW:-128} \
+python3 -m bench.cells --preset seed-mtp --in_memory --arms seed4k --depths 1024 --max_new_tokens ${NEW:-128} \
   --seeds ${SEEDS:-1} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | grep --line-buffered -v "it/s\]" | tee $OUT/seed4.log

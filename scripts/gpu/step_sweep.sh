@@ -4,6 +4,6 @@
 set -o pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m decode.bench_step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
+python3 -m bench.step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl \
   --cells ${CELLS:-4096:1024,49152:1024,131072:1024,131072:32768,131072:131072,131072:1024:ref} \
   2>&1 | grep --line-buffered -v "it/s\]" | tee $OUT/step.log

@@ -1,6 +1,6 @@
 """How long a host tier's pinned memory takes to allocate and to free (the seed-1 TTFT lead in next_session.sh):
 48 layers of int8 K and V [positions, 4, 128] with float32 scales [positions, 4] (seed-mtp's tier at 139K,
-~7 GB), zeros made on the device and placed in "pinned_host" as decode.host_tier.place_on_host does; then freed.
+~7 GB), zeros made on the device and placed in "pinned_host" as model.host_tier.place_on_host does; then freed.
 
   python scripts/gpu/tier_alloc_probe.py [--positions 139264] [--repeats 3]
 """

@@ -1,8 +1,8 @@
-"""Shared by the GPU probes in this folder: a compiled call's median wall time (ops.bench's timer) and a relative
+"""Shared by the GPU probes in this folder: a compiled call's median wall time (bench.kernels's timer) and a relative
 L2 error."""
 import numpy as np
 
-from ops.bench import median_seconds
+from bench.kernels import median_seconds
 
 
 def median_ms(f, *a, iters: int = 20) -> float:

@@ -1,4 +1,4 @@
-"""Per-kernel GPU time from a jax.profiler perfetto trace (`decode.bench_step --profile DIR`), plain Python.
+"""Per-kernel GPU time from a jax.profiler perfetto trace (`bench.step --profile DIR`), plain Python.
 
   python scripts/gpu/trace_summary.py DIR/.../perfetto_trace.json.gz --steps 32 [--top 25]
 

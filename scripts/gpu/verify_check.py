@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decode.kv_ring import KVRing
+from model.kv_ring import KVRing
 from ops import attention
 from ops.attention_pallas import ring_attention_pallas
 
@@ -29,7 +29,7 @@ for kv in ("bf16", "int8"):
     print(f"attention kv={kv} T={T}: pallas vs ref rel L2 {err:.2e}", flush=True)
 
 from configs.presets import preset  # noqa: E402
-from decode.bench import _in_memory_model  # noqa: E402  (flags are defined on import; not parsed here)
+from bench.cells import _in_memory_model  # noqa: E402  (flags are defined on import; not parsed here)
 from decode.engine import generate  # noqa: E402
 from decode.speculative import speculative_generate  # noqa: E402
 

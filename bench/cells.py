@@ -1,0 +1,538 @@
+"""`python -m bench.cells`: benchmark cells (arms x seeds), JSONL records, a markdown table and verdicts.
+
+Each cell is one request (greedy): a prompt of `prompt_tokens` (the depth), `max_new_tokens` generated, with
+the arm's ring capacity, drafter, KV dtype, expert cache (all | auto | N slots, sized by the memory plan under
+--device_budget) and kernels; --max_context applies to every request (a fixed ring below it puts older positions
+in the host tier). Every cell first runs once untimed (compiles), then once per seed; each timed run writes one
+JSONL record (config, commit, device, prefill tok/s, TTFT, decode tok/s, drafts proposed/accepted per position,
+expert-cache stats, the memory plan, and for drafted arms the bytes-per-round model of decode/round_model.py) and
+its log, `<cells>.logs/<arm>-s<seed>.log` (the request, the plan's table, what the stack logged meanwhile, the
+result; the first seed's log also holds the compiling run), named by the record's "log".
+The table shows the median decode tok/s over seeds, the drafts of every seed, the expert-cache hit rate, and
+for drafted arms the speed-up over the matching plain arm beside what the byte ratio predicts; pre-declared bars
+are evaluated and printed; a PNG plots tok/s against depth.
+
+  python -m bench.cells --arms seed4 --preset seed-mtp --cells /tmp/seed4.jsonl        # the seed's experiment
+  python -m bench.cells --gguf m.gguf --rings 4096,32768 --drafts none,lookup --depths 1024,8192
+  python -m bench.cells --preset qwen3moe-30b-a3b --in_memory --kernels pallas --expert_cache all,4096,8192 \
+      --device_budget 24GiB --drafts none,replay@3                        # issue 6: tok/s and hit rate vs slots
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging as pylogging
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags, logging
+
+from ops.attention_pallas import is_spec
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("gguf", None, "model file (default: --preset's synthetic file, else the default model)")
+flags.DEFINE_string("preset", None, "write/reuse a synthetic file of this preset (configs.synth) under --synth_dir")
+flags.DEFINE_string("synth_dir", "/tmp/moejax-synth", "where synthetic files are written")
+flags.DEFINE_string("experts", "IQ3_S", "expert type of the synthetic file")
+flags.DEFINE_bool("in_memory", False, "with --preset: random valid blocks built in memory instead of a GGUF file "
+                  "(same params as writing and loading the synthetic file, without the multi-GB round trip)")
+flags.DEFINE_string("arms", None, "named arm set: seed4 | rings | depths | drafts (overrides the list flags)")
+flags.DEFINE_list("only", None, "run only these arms of the set (by name, e.g. AR,BR of seed4): a set split over "
+                  "several processes; the bars compare the arms that ran")
+flags.DEFINE_list("rings", ["auto"], "main ring capacities (kv_resident)")
+flags.DEFINE_list("drafts", ["none"], "drafters: none | mtp | lookup | replay, each optionally @k (drafts per round)")
+flags.DEFINE_list("kv", ["int8"], "KV dtypes")
+flags.DEFINE_list("depths", ["1024"], "prompt tokens (depth)")
+flags.DEFINE_integer("max_new_tokens", 256, "generated tokens per cell")
+flags.DEFINE_integer("mtp_draft", 3, "drafts per round")
+flags.DEFINE_integer("mtp_window", 4096, "drafter window")
+flags.DEFINE_integer("seeds", 3, "timed runs per cell")
+flags.DEFINE_integer("max_context", None, "max_context of every request (above a fixed ring: the host tier)")
+flags.DEFINE_list("expert_cache", ["all"], "expert caches: all | auto | N slots (arms; seed4 takes the first)")
+flags.DEFINE_string("device_budget", None, "device memory budget of the plan (e.g. 24GiB; default: the device's)")
+flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert-cache eviction policy")
+flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
+flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
+                    "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
+flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
+                         "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
+flags.DEFINE_bool("host_skip_idle", True, "host tier (max_context > ring): run the ring-only trunk under one "
+                  "lax.cond per pass while no position has left the ring (model.host_tier.SKIP_IDLE_TIER)")
+flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's: 1,024 on "
+                     "a GPU, 8 with expert slots, 2,048 on CPU)")
+flags.DEFINE_enum("prefill_precision", "auto", ["auto", "f32", "bf16"],
+                  "the prefill GEMMs' operands (ops.qgemm_pallas.GEMM_FORMS): f32 (three bf16 MMAs, float32-accurate), "
+                  "bf16 (one MMA, ~2e-3 per dot, finer than llama.cpp's 8-bit x), auto: bf16 on a GPU, f32 elsewhere")
+flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
+                  "synthetic: a fixed arithmetic token pattern; text: the standard library's documentation topics "
+                  "(pydoc_data), tokenized, from a seed-dependent offset (real text, for models that learned it)")
+flags.DEFINE_bool("reuse_prefill", False, "arms that share a prompt, ring, tier and k share one prefill "
+                  "(engine.PrefillCache; TTFT reports the original prefill's time, records say prefill_reused): "
+                  "seeds run outermost and each arm's compiling run takes seed 0's prompt. For deep cells, whose "
+                  "prefill dwarfs the decode")
+flags.DEFINE_string("cells", "/tmp/moejax-bench/cells.jsonl", "JSONL output (one record per timed run)")
+flags.DEFINE_string("plot", None, "PNG of decode tok/s against depth per arm (default: beside --cells)")
+flags.DEFINE_list("report", None, "JSONL files of earlier runs: print their table, verdicts and plot for the arms the "
+                  "other flags name, and run nothing (arms measured in separate processes or device calls, e.g. "
+                  "one seed4 ring per call)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  ring: str = "auto"
+  draft: str = "none"
+  kv: str = "int8"
+  depth: int = 1024
+  k: int | None = None      # drafts per round (None: --mtp_draft)
+  cache: str = "all"        # expert cache: all | auto | N slots
+
+
+# The seed report (#3166): ring 32,768 vs 49,152, MTP on vs off, 1,024-token prompt, 256 tokens, int8 KV.
+# On random weights MTP drafts are never accepted, so "on" arms are run with the NextN drafter (its real cost)
+# and with replay (100 % acceptance); "off" arms use lookup, as the seed engine did.
+SEED4 = [Arm("AS", "32768", "mtp"), Arm("BS", "49152", "mtp"), Arm("AR", "32768", "replay"), Arm("BR", "49152", "replay"),
+         Arm("AN", "32768", "lookup"), Arm("BN", "49152", "lookup")]
+# seed4 plus plain arms (the round-vs-step ratio) and a k sweep with replay (issue 5's benchmark), one process.
+SEED4K = [Arm("AP", "32768", "none"), Arm("BP", "49152", "none")] + SEED4 + [
+    Arm(f"AR{k}", "32768", "replay", k=k) for k in (1, 2, 4)]
+SEED4_BARS = [("AS", "BS", 0.03, "decode tok/s"), ("AR", "BR", 0.03, "decode tok/s"), ("AN", "BN", 0.03, "decode tok/s"),
+              ("AS", "BS", 0.0, "drafts accepted"), ("AR", "BR", 0.0, "drafts accepted"),
+              ("AN", "BN", 0.0, "drafts accepted")]
+# Depths up to which the speed bars hold: at 32K and 128K a 32,768-slot ring sends positions to the host tier and
+# a 49,152-slot one fewer or none, so the rings are expected to differ there (reported without a bar).
+SEED4_SPEED_BAR_DEPTH = 1024
+
+
+def _arms() -> tuple[list[Arm], list]:
+  if FLAGS.arms in ("seed4", "seed4k"):
+    arms = SEED4 if FLAGS.arms == "seed4" else SEED4K
+    if FLAGS.only:
+      unknown = set(FLAGS.only) - {a.name for a in arms}
+      if unknown:
+        raise app.UsageError(f"--only {','.join(sorted(unknown))}: not arms of {FLAGS.arms} "
+                             f"({','.join(a.name for a in arms)})")
+      arms = [a for a in arms if a.name in FLAGS.only]
+    depth = int(FLAGS.depths[0])
+    bars = SEED4_BARS + [("AP", "BP", 0.03, "decode tok/s")]
+    if depth > SEED4_SPEED_BAR_DEPTH:      # the speed bars are the seed's 1K claim; deeper cells report the ratio
+      bars = [(a, b, None if what == "decode tok/s" else tol, what) for a, b, tol, what in bars]
+    return [dataclasses.replace(a, depth=depth, cache=FLAGS.expert_cache[0]) for a in arms], bars
+  if FLAGS.arms not in (None, "", "grid"):
+    raise app.UsageError(f"--arms {FLAGS.arms!r}: known sets are seed4, seed4k (or give --rings/--drafts/--kv/--depths)")
+  arms = []
+  for r, d, kv, dep, c in itertools.product(FLAGS.rings, FLAGS.drafts, FLAGS.kv, FLAGS.depths, FLAGS.expert_cache):
+    name, _, k = d.partition("@")
+    arms.append(Arm(f"R{r}-{d}-{kv}-D{dep}" + ("" if c == "all" else f"-X{c}"), r, name, kv, int(dep),
+                    int(k) if k else None, c))
+  return arms, []
+
+
+def _in_memory_model(name: str, experts: str):
+  """A LoadedModel of random valid blocks in a preset's shape, with the shipped vocab padded to its size."""
+  from configs.presets import preset
+  from configs.vocab import load_vocab
+  from model.loader import LoadedModel
+  from model.tokenizer import Tokenizer
+  from model.api import fuse_qkv
+  from model.writer import pad_vocab, quant_policy, random_params
+  cfg = preset(name)
+  t0 = time.time()
+  params = fuse_qkv(random_params(cfg, types=quant_policy(experts, "Q8_0"), progress=True))   # as load_model
+  tok = Tokenizer.from_metadata(pad_vocab(load_vocab(1024), cfg.vocab_size).metadata())
+  return LoadedModel(cfg, params, tok, f"in-memory:{name}", False, time.time() - t0)
+
+
+_TEXT: dict = {}
+
+
+def _text_tokens(model, n: int, seed: int) -> list[int]:
+  """n tokens of documentation text starting at an offset chosen by the seed: from the last 40 topics in sorted
+  order (which the default model's training held out in part) when they hold n tokens, else from all topics
+  (deep cells: 168K tokens with the shipped vocab). A depth beyond all of them is refused, never cut short."""
+  from pydoc_data.topics import topics
+
+  def stream(last: int | None) -> list[int]:            # tokenized once per tokenizer and text
+    key = (id(model.tokenizer), last)
+    if key not in _TEXT:
+      _TEXT[key] = model.tokenizer.encode("".join(topics[k] + "<|endoftext|>" for k in sorted(topics)[-(last or 0):]))
+    return _TEXT[key]
+
+  ids = stream(40)
+  if len(ids) < n:
+    ids = stream(None)
+  if len(ids) < n:
+    raise ValueError(f"--prompt_source text: depth {n} exceeds the {len(ids)} tokens of the documentation topics; "
+                     f"use --prompt_source synthetic for deeper cells")
+  start = (abs(seed) * 7919 * 13) % max(1, len(ids) - n)
+  return ids[start:start + n]
+
+
+def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffer: int | None = None) -> dict:
+  """One request of `arm` (plain, or the drafted one after the plain request it replays): its stats. `buffer`:
+  size the request's buffers and ring for that many new tokens (engine.GenConfig.buffer_tokens)."""
+  from decode.engine import GenConfig, generate
+  from decode.speculative import speculative_generate
+  from model.loader import LoadedModel  # noqa: F401
+  if FLAGS.prompt_source == "text":
+    prompt = _text_tokens(model, arm.depth, seed)
+  else:
+    base = [7, 11, 13, 17, 19, 23, 29, 31]
+    prompt = [(base[i % len(base)] * (i + 1 + seed)) % model.cfg.vocab_size for i in range(arm.depth)]
+  gen = GenConfig(max_new_tokens=max_new, kv=arm.kv, kv_resident=None if arm.ring == "auto" else int(arm.ring),
+                  max_context=FLAGS.max_context, stop_at_eos=False, seed=seed, prefill_chunk=FLAGS.prefill_chunk,
+                  buffer_tokens=buffer)
+  k = (arm.k or FLAGS.mtp_draft) if arm.draft != "none" else 0
+  plan, slots = _plan(model, arm, gen, k)
+  gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
+  CELL_LOG.info("cell %s seed %d: %s, %d prompt tokens, %d new, expert slots %s\nmemory plan:\n%s", arm.name, seed,
+               dataclasses.asdict(arm), len(prompt), max_new, "all" if slots is None else slots, plan.table())
+  plain = None
+  if arm.draft == "none":
+    res = generate(model, prompt, gen, prefill_cache=prefill_cache)
+  else:
+    plain = generate(model, prompt, gen, prefill_cache=prefill_cache) if arm.draft == "replay" else None
+    res = speculative_generate(model, prompt, gen, drafter=arm.draft, k=k, mtp_window=FLAGS.mtp_window,
+                               replay_ids=plain.ids if plain else None, prefill_cache=prefill_cache)
+  st = dict(res.stats)
+  if plain is not None:     # the plain request replay drafts from: the same run's plain speed beside the drafted one
+    st["plain"] = {key: plain.stats.get(key) for key in ("decode_tok_s", "ttft_s", "setup_s", "prefill_s",
+                                                         "prefill_reused")}
+  # a reused prefill's TTFT is the original request's (its compiling run): no prefill figure from it. A replay
+  # request reuses its plain request's prefill: where that one prefilled, its TTFT is the figure
+  src = plain.stats if plain is not None and st.get("prefill_reused") else st
+  st["prefill_tok_s"] = None if src.get("prefill_reused") else (arm.depth / src["ttft_s"] if src["ttft_s"] else 0.0)
+  st["tokens"] = [int(t) for t in res.ids]        # the generated tokens: runs compare them across arms
+  st["plan"], st["expert_slots"] = plan.to_json(), slots
+  if arm.draft != "none":
+    from bench.round_model import bytes_model
+    st["bytes_model"] = bytes_model(model.params, model.cfg, k, arm.draft)
+  return st
+
+
+# A cell's own account (request, plan, result) goes only to its log file; the terminal keeps the table.
+CELL_LOG = pylogging.getLogger("moejax.bench.cell")
+CELL_LOG.propagate = False
+CELL_LOG.setLevel(pylogging.INFO)
+
+
+@contextlib.contextmanager
+def cell_log(path: str):
+  """While a cell runs: its account (CELL_LOG) and whatever the stack logs through absl at the current verbosity
+  (warnings under `main`) are appended to the file at `path`."""
+  handler = pylogging.FileHandler(path, mode="a")
+  handler.setFormatter(pylogging.Formatter("%(asctime)s %(levelname)s %(module)s: %(message)s"))
+  loggers = (CELL_LOG, logging.get_absl_logger())
+  for lg in loggers:
+    lg.addHandler(handler)
+  try:
+    yield
+  finally:
+    for lg in loggers:
+      lg.removeHandler(handler)
+    handler.close()
+
+
+def _log_result(arm: Arm, seed: int, st: dict) -> None:
+  drafts = (f", drafts accepted/proposed per position {st['drafts_accepted']}/{st['drafts_proposed']}"
+            if st.get("drafts_proposed") else "")
+  prefill = "reused" if st.get("prefill_tok_s") is None else f"{st['prefill_tok_s']:.0f} tok/s"
+  split = (f" (setup {st['setup_s']:.3f} s" + (f", prefill {st['prefill_s']:.3f} s)" if st.get("prefill_s") is not None
+                                                else ")")) if st.get("setup_s") is not None else ""
+  CELL_LOG.info("cell %s seed %d: %d prompt tokens, TTFT %.3f s%s, prefill %s, %d tokens at %.2f tok/s decode%s",
+               arm.name, seed, st["prompt_tokens"], st["ttft_s"], split, prefill, st["generated_tokens"],
+               st["decode_tok_s"], drafts)
+
+
+COMPILE_TOKENS = 8       # tokens the compiling run generates (a 128K cell's 256 tokens take ~40 s on the GPU)
+
+
+def compile_run(model, arm: Arm, prefill_cache=None) -> dict:
+  """The untimed first run of an arm: COMPILE_TOKENS new tokens in buffers and a ring sized for the timed runs'
+  max_new_tokens (engine.GenConfig.buffer_tokens), so it compiles every loop they call; without the sizing a
+  shorter run left the first timed run a recompile. With a prefill cache it takes seed 0's prompt, whose prefill
+  the first timed run then reuses."""
+  return run_cell(model, arm, seed=0 if prefill_cache is not None else -1,
+                  max_new=min(COMPILE_TOKENS, FLAGS.max_new_tokens), prefill_cache=prefill_cache,
+                  buffer=FLAGS.max_new_tokens)
+
+
+def _plan(model, arm: Arm, gen, k: int):
+  """The request's memory plan and expert slots (None: all resident), as `generate --plan` makes them."""
+  from decode.engine import new_tokens_sized, prefill_chunk, ring_capacity
+  from decode.kv_plan import device_budget, plan_request
+  ring = ring_capacity(arm.depth + new_tokens_sized(gen) + (k + 1 if k else 0), gen.kv_resident)
+  return plan_request(model, ring=ring, kv=arm.kv, max_context=gen.max_context, k=k,
+                      mtp_window=FLAGS.mtp_window if arm.draft == "mtp" else None, expert_cache=arm.cache,
+                      budget=device_budget(FLAGS.device_budget), prefill_chunk=min(prefill_chunk(gen), arm.depth),
+                      cached_chunk=min(prefill_chunk(dataclasses.replace(gen, expert_slots=0)), arm.depth),
+                      fixed_ring=gen.kv_resident is not None)
+
+
+def _hit_rate(st: dict, phase: str = "decode") -> float | None:
+  """The expert cache's hit rate in one phase of the request ("prefill" | "decode"), None without a cache."""
+  xc = st.get("expert_cache")
+  return xc[phase]["hit_rate"] if xc and phase in xc else None
+
+
+def _speedups(records: list[dict], arms: list[Arm], a: Arm) -> str:
+  """Measured decode speed-up of drafted arm `a` over the plain arm of the same ring/kv/depth/cache, and the
+  byte model's prediction at the measured tokens per round (1 + mean accepted drafts)."""
+  plain = [b for b in arms if b.draft == "none" and (b.ring, b.kv, b.depth, b.cache) == (a.ring, a.kv, a.depth, a.cache)]
+  rs = [r for r in records if r["arm"] == a.name]
+  ps = [r for r in records if plain and r["arm"] == plain[0].name]
+  if a.draft == "none" or not rs:
+    return "-"
+  bm = rs[0]["stats"]["bytes_model"]
+  tokens = 1 + statistics.median(r["stats"]["mean_accepted_len"] for r in rs)
+  # rounds without a draft (lookup without a match) are one plain step: weigh the round's bytes by the share
+  # of rounds that verified
+  verified = statistics.median(min(1.0, r["stats"]["drafts_proposed"][0] / max(r["stats"]["rounds"], 1)) for r in rs)
+  model_x = tokens * bm["step_bytes"] / (verified * bm["round_bytes"] + (1 - verified) * bm["step_bytes"])
+  own = [r["stats"]["plain"]["decode_tok_s"] for r in rs if r["stats"].get("plain")]
+  if not ps and not own:
+    return f"? (model {model_x:.2f}x)"
+  # the plain arm's records; else (replay without a plain arm) the plain request each replay run made first
+  base = statistics.median(r["stats"]["decode_tok_s"] for r in ps) if ps else statistics.median(own)
+  x = statistics.median(r["stats"]["decode_tok_s"] for r in rs) / base
+  return f"{x:.2f}x{'' if ps else ' (its plain requests)'} (model {model_x:.2f}x)"
+
+
+def _table(records: list[dict], arms: list[Arm]) -> str:
+  rows = ["| arm | ring | draft | kv | depth | experts | decode tok/s (median) | prefill tok/s | "
+          "drafts accepted/proposed per seed | vs plain (bytes model) | expert hits prefill / decode |",
+          "| --- | ---: | --- | --- | ---: | --- | ---: | ---: | --- | --- | ---: |"]
+  for a in arms:
+    rs = [r for r in records if r["arm"] == a.name]
+    if not rs:
+      continue
+    med = statistics.median(r["stats"]["decode_tok_s"] for r in rs)
+    pres = [r["stats"]["prefill_tok_s"] for r in rs if r["stats"].get("prefill_tok_s") is not None]
+    pre = f"{statistics.median(pres):.0f}" if pres else "reused"
+    drafts = " ".join(f"{sum(r['stats'].get('drafts_accepted', [0]))}/{sum(r['stats'].get('drafts_proposed', [0]))}"
+                      for r in rs) if a.draft != "none" else "-"
+    hits = {ph: [h for h in (_hit_rate(r["stats"], ph) for r in rs) if h is not None] for ph in ("prefill", "decode")}
+    hit_cell = " / ".join(f"{statistics.median(hits[ph]):.1%}" for ph in hits if hits[ph]) or "-"
+    slots = rs[0]["stats"].get("expert_slots")
+    cache = "all" if slots is None else f"{a.cache}: {slots} slots"
+    rows.append(f"| {a.name} | {a.ring} | {a.draft} | {a.kv} | {a.depth} | {cache} | {med:.1f} | {pre} | {drafts} | "
+                f"{_speedups(records, arms, a)} | {hit_cell} |")
+  return "\n".join(rows)
+
+
+def _verdicts(records: list[dict], bars) -> list[str]:
+  out = []
+  by = {}
+  for r in records:
+    by.setdefault(r["arm"], []).append(r)
+  for a, b, tol, what in bars:
+    if a not in by or b not in by:
+      continue
+    if what == "decode tok/s":
+      va = statistics.median(r["stats"]["decode_tok_s"] for r in by[a])
+      vb = statistics.median(r["stats"]["decode_tok_s"] for r in by[b])
+      rel = abs(vb - va) / va if va else float("inf")
+      if tol is None:
+        out.append(f"{b}/{a} decode tok/s = {vb / va if va else float('inf'):.3f} (deep cell: reported, no bar)")
+      else:     # a gap no larger than an arm's own spread over its seeds is not a measured difference
+        sa, sb = _spread(by[a]), _spread(by[b])
+        note = f"; seeds' spread {a} {sa:.1%}, {b} {sb:.1%}" if max(len(by[a]), len(by[b])) > 1 else ""
+        verdict = "PASS" if rel < tol else "INCONCLUSIVE (inside the seeds' spread)" if rel <= max(sa, sb) else "FAIL"
+        out.append(f"|{b}-{a}|/{a} = {rel:.1%} (bar < {tol:.0%}{note}): {verdict}")
+    else:
+      ca = [r["stats"].get("drafts_accepted") for r in by[a]]
+      cb = [r["stats"].get("drafts_accepted") for r in by[b]]
+      out.append(f"{what} {a} {ca} vs {b} {cb} (bar: identical): {'PASS' if ca == cb else 'FAIL'}")
+      text, same = _token_match(by[a], by[b])
+      if _rings_hold(by[a] + by[b]):      # invariant 1: both rings hold the request, so the tokens must be equal
+        out.append(f"generated tokens {a} vs {b} (bar: identical, both rings hold the request): {text}: "
+                   f"{'PASS' if same else 'FAIL'}")
+      else:
+        out.append(f"generated tokens {a} vs {b} (reported: beyond the smaller ring's window): {text}")
+  return out
+
+
+def _spread(records: list[dict]) -> float:
+  """An arm's decode tok/s over its seeds: (max - min) / median, 0 for one seed."""
+  v = [r["stats"]["decode_tok_s"] for r in records]
+  m = statistics.median(v)
+  return (max(v) - min(v)) / m if len(v) > 1 and m else 0.0
+
+
+def _rings_hold(records: list[dict]) -> bool:
+  """Whether every record's ring holds its whole request (prompt, new tokens and the scratch slots), so that no
+  position ever leaves for a host tier. False where a record lacks its config or has an auto ring."""
+  from decode.engine import TIER_SCRATCH
+  try:
+    return all(r["config"]["depth"] + r["config"]["max_new_tokens"] + TIER_SCRATCH <= int(r["config"]["ring"])
+               for r in records)
+  except (KeyError, TypeError, ValueError):
+    return False
+
+
+def _token_match(ra: list[dict], rb: list[dict]) -> tuple[str, bool]:
+  """Whether two arms generated the same tokens, seed by seed: ("seed s identical, ...", all identical), or the first
+  position that differs. Within the smaller ring's window the invariants make them equal; deeper, the host tier's
+  log-sum-exp merge sums in another order than the ring alone, and a near-tie may pick another token."""
+  sb = {r.get("seed"): r["stats"].get("tokens") for r in rb}
+  out = []
+  for r in ra:
+    ta, tb = r["stats"].get("tokens"), sb.get(r.get("seed"))
+    if ta is None or tb is None:
+      continue
+    diff = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+    if diff is None and len(ta) != len(tb):
+      diff = min(len(ta), len(tb))
+    out.append(f"seed {r.get('seed')} " + ("identical" if diff is None else f"differ from token {diff} of {len(ta)}"))
+  return ", ".join(out) or "not recorded", bool(out) and all(x.endswith("identical") for x in out)
+
+
+def _plot(records, arms, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  groups = {}
+  for a in arms:
+    key = (a.ring, a.draft, a.kv, a.cache)
+    rs = [r for r in records if r["arm"] == a.name]
+    if rs:
+      groups.setdefault(key, []).append((a.depth, statistics.median(r["stats"]["decode_tok_s"] for r in rs)))
+  for (ring, draft, kv, cache), pts in groups.items():
+    pts.sort()
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+            label=f"R={ring} {draft} {kv}" + ("" if cache == "all" else f" experts {cache}"))
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("depth (prompt tokens)")
+  ax.set_ylabel("decode tok/s (median over seeds)")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def report(paths: list[str]) -> str:
+  """The table, verdicts and plot of records already written (--report): one record per timed run, kept where its
+  arm is one of the flags' arms at that arm's depth; a later record of the same arm and seed replaces an earlier."""
+  arms, bars = _arms()
+  want = {(a.name, a.depth) for a in arms}
+  kept = {}
+  for p in paths:
+    with open(p) as f:
+      for n, line in enumerate(f, 1):
+        try:
+          r = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{p}:{n}: not a JSON record ({e.msg})") from None
+        if (r.get("arm"), r.get("config", {}).get("depth")) in want:
+          kept[(r["arm"], r.get("seed"))] = r
+  if not kept:
+    raise ValueError(f"--report {','.join(paths)}: no record of the arms {sorted(n for n, _ in want)}")
+  records = list(kept.values())
+  runs = {(r.get("commit"), r.get("device")) for r in records}
+  lines = [f"{len(records)} records from {len(paths)} files; commit/device: "
+           + "; ".join(f"{c} on {d}" for c, d in sorted(runs, key=str)), "", _table(records, arms)]
+  lines += _verdicts(records, bars)
+  if FLAGS.plot:
+    _plot(records, arms, FLAGS.plot)
+    lines.append(f"plot: {FLAGS.plot}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  if FLAGS.report:
+    try:
+      print(report(FLAGS.report))
+    except (OSError, ValueError) as e:            # a missing or broken record file: one line, no traceback
+      sys.exit(f"bench.cells: {e}")
+    return
+  from tqdm import tqdm
+
+  from model.loader import default_model_path, load_model
+  from ops.qtensor import with_kernels
+  path = FLAGS.gguf
+  if path is None and FLAGS.preset and FLAGS.in_memory:
+    model = _in_memory_model(FLAGS.preset, FLAGS.experts)
+    path = f"in-memory:{FLAGS.preset}:{FLAGS.experts}"
+  elif path is None and FLAGS.preset:
+    from configs import synth
+    os.makedirs(FLAGS.synth_dir, exist_ok=True)
+    path = os.path.join(FLAGS.synth_dir, f"{FLAGS.preset}-{FLAGS.experts}.gguf")
+    if not os.path.isfile(path):
+      synth.write(FLAGS.preset, path, experts=FLAGS.experts)
+  if not path or not path.startswith("in-memory"):
+    path = path or default_model_path()
+    model = load_model(path)
+  model.params = with_kernels(model.params, FLAGS.kernels)
+  from model import host_tier
+  from ops import attention_pallas, qgemm_pallas
+  host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle          # read at trace time
+  qgemm_pallas.set_precision(FLAGS.prefill_precision)       # read at trace time
+  if FLAGS.attn_kernel:
+    attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
+  arms, bars = _arms()
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.cells)), exist_ok=True)
+  from bench.provenance import commit as _commit, device as _device
+  commit, device = _commit(), _device()
+  records = []
+  from decode.engine import PrefillCache
+  # one entry per distinct (ring, k) request of a seed's prompt: a plain and a drafted request per ring for seed4
+  cache = PrefillCache(capacity=2 * len({(a.ring, a.kv) for a in arms})) if FLAGS.reuse_prefill else None
+  runs = ([(a, s) for s in range(FLAGS.seeds) for a in arms] if cache is not None else
+          [(a, s) for a in arms for s in range(FLAGS.seeds)])
+  log_dir = os.path.splitext(os.path.abspath(FLAGS.cells))[0] + ".logs"
+  os.makedirs(log_dir, exist_ok=True)
+  first_run, failed = {}, set()
+  with open(FLAGS.cells, "a") as out:
+    for arm, seed in tqdm(runs, desc="cells", unit="run", file=sys.stderr):
+      if arm.name in failed:
+        continue
+      log_path = os.path.join(log_dir, f"{arm.name}-s{seed}.log")
+      try:
+        with cell_log(log_path):
+          if arm.name not in first_run:
+            t0 = time.time()
+            CELL_LOG.info("arm %s: the compiling run (%d tokens, untimed)", arm.name, COMPILE_TOKENS)
+            compile_run(model, arm, cache)
+            first_run[arm.name] = time.time() - t0
+            CELL_LOG.info("arm %s: first (compiling) run %.1f s", arm.name, first_run[arm.name])
+            print(f"arm {arm.name}: first (compiling) run {first_run[arm.name]:.1f} s", file=sys.stderr)
+          t0 = time.time()
+          st = run_cell(model, arm, seed, FLAGS.max_new_tokens, cache)
+          _log_result(arm, seed, st)
+        rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
+               "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
+               "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
+               "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
+               "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels),
+               "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0,
+               "first_run_s": first_run[arm.name], "log": log_path, "stats": st}
+        records.append(rec)
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+      except ValueError as e:
+        failed.add(arm.name)
+        with cell_log(log_path):
+          CELL_LOG.error("cell %s: %s", arm.name, str(e).splitlines()[0])
+        print(f"cell {arm.name}: {str(e).splitlines()[0]}", file=sys.stderr)
+  print(f"\n{path} ({model.cfg.arch}), device {device}, commit {commit}, {FLAGS.max_new_tokens} tokens, "
+        f"{FLAGS.seeds} seeds\n")
+  print(_table(records, arms))
+  for v in _verdicts(records, bars):
+    print(v)
+  if len({a.depth for a in arms}) > 1 or FLAGS.plot:
+    png = FLAGS.plot or os.path.splitext(FLAGS.cells)[0] + ".png"
+    _plot(records, arms, png)
+    print(f"plot: {png}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,290 @@
+"""`python -m bench.step`: decode step time against ring capacity and depth, on a full-size shape.
+
+The ring is filled with random K/V up to `depth` (a step's cost depends on how many positions it reads, not
+on their values), then a jitted loop of `--steps` plain decode steps is timed after a warm-up. Params are
+random valid blocks built in memory (model.writer.random_params) of a preset's shape. Variants of one cell
+(kernels, attention implementation) run in the same process so they compare as ratios.
+
+  python -m bench.step --preset qwen3moe-30b-a3b --rings 4096,32768,131072 --depths 1024
+  python -m bench.step --preset qwen3moe-30b-a3b --rings 131072 --depths 1024,8192,32768,131072
+  python -m bench.step --cells 32768:131072:auto:pallas:139264     # a 32K ring + host tier at 128K depth
+
+A fifth cell field C (max_context) adds a host tier of C positions (model/host_tier.py, pinned host memory on
+a GPU): the ring holds the newest R positions of `depth`, the tier the older ones, and every step evicts one
+position into the tier and merges the two attentions (log-sum-exp).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+from ops.attention_pallas import is_spec
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("preset", "qwen3moe-30b-a3b", "model shape (configs.presets)")
+flags.DEFINE_string("experts", "IQ3_S", "routed expert type")
+flags.DEFINE_string("other", "Q8_0", "other matrices' type")
+flags.DEFINE_list("rings", ["4096", "16384", "32768", "131072"], "ring capacities")
+flags.DEFINE_list("depths", ["1024"], "live positions before timing")
+flags.DEFINE_list("kernels", ["xla"], "quantized kernels: xla | pallas")
+flags.DEFINE_list("attn", ["auto"], "attention on the GPU: auto (the dispatcher's default) | ref | pallas | a kernel "
+                  "spec dots/bk/warps/stages (e.g. bf16x2/128/8/3: the kernel so tuned)")
+flags.DEFINE_list("cells", None, "explicit cells ring:depth[:attn[:kernels[:max_context]]] (instead of the rings x "
+                  "depths grid); max_context > ring adds a host tier")
+flags.DEFINE_string("kv", "int8", "KV dtype")
+flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
+flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
+flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
+flags.DEFINE_bool("host_skip_idle", True, "host tier: run the ring-only trunk under one lax.cond per step "
+                  "while no position has left the ring (model.host_tier.SKIP_IDLE_TIER)")
+flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
+                    "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
+flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
+                         "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
+flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
+                  "--nofuse_qkv runs three")
+flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNorm + residual, routing, q/k norm + "
+                  "RoPE + ring write; model.transformer.GLUE_KERNELS, with --kernels pallas); off: the XLA ops; "
+                  "old: the glue tilings before 2026-12-01; on may carry overrides (see _glue_tilings), e.g. "
+                  "on/rope=1/router=64:2048:8:1/xnat=0/gatherq=0; a list runs every variant cell by cell in one "
+                  "process (the A/B)")
+flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
+                    "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
+
+
+_NEW_TILINGS = {}
+
+
+def _glue_tilings(spec: str) -> None:
+  """Set the small-kernel choices of one --glue value (all read at trace time). Start from the modules' own, then
+  apply "old" (the glue tilings before 2026-12-01) or "/"-separated overrides:
+    rope=N             ops.rope_write_pallas.Q_PROGRAMS (q programs per token)
+    router=P:DC:W:RW   ops.router_pallas.LOGITS_TILING (programs, D chunk, warps) and ROUTE_WARPS
+    xnat=T:B+T:B | 0   ops.qmatmul_pallas.NATURAL_X_MAX_B (types read in natural x order up to B tokens; 0: none)
+    gatherq=0          ops.attention_pallas.GATHER_Q off (q padded by XLA)
+    ksum=1             the MoE down kernel sums the token's top-k itself (ops.moe_pallas.MOE_TUNING, tile KSUM)
+    grid16=0|1         ops.qmatmul_pallas.IQ3S_GRID16 (the IQ3_S kernels' 16-bit grid table)
+  A malformed value is a one-line usage error."""
+  from ops import attention_pallas, moe_pallas, qmatmul_pallas, rope_write_pallas, router_pallas
+  if not _NEW_TILINGS:
+    _NEW_TILINGS.update(logits=dict(router_pallas.LOGITS_TILING), route=router_pallas.ROUTE_WARPS,
+                        rope=rope_write_pallas.Q_PROGRAMS, xnat=dict(qmatmul_pallas.NATURAL_X_MAX_B),
+                        gatherq=attention_pallas.GATHER_Q, grid16=qmatmul_pallas.IQ3S_GRID16,
+                        moe={k: dict(v) for k, v in moe_pallas.MOE_TUNING.items()})
+  router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
+  router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
+  qmatmul_pallas.NATURAL_X_MAX_B = dict(_NEW_TILINGS["xnat"])
+  attention_pallas.GATHER_Q = _NEW_TILINGS["gatherq"]
+  qmatmul_pallas.IQ3S_GRID16 = _NEW_TILINGS["grid16"]
+  moe_pallas.MOE_TUNING.clear()
+  moe_pallas.MOE_TUNING.update({k: dict(v) for k, v in _NEW_TILINGS["moe"].items()})
+  base, *parts = ("on/rope=1/router=32:256:4:4" if spec == "old" else spec).split("/")
+  if base not in ("on", "off") or (base == "off" and parts):
+    raise app.UsageError(f"--glue {spec!r}: expected on, off, old, or on with /-separated overrides")
+  for part in parts:
+    key, _, val = part.partition("=")
+    try:
+      if key == "rope":
+        rope_write_pallas.Q_PROGRAMS = int(val)
+      elif key == "router":
+        p, dc, w, rw = (int(a) for a in val.split(":"))
+        router_pallas.LOGITS_TILING, router_pallas.ROUTE_WARPS = {"programs": p, "dc": dc, "warps": w}, rw
+      elif key == "xnat":
+        qmatmul_pallas.NATURAL_X_MAX_B = {} if val == "0" else {t: int(b) for t, b in
+                                                               (v.split(":") for v in val.split("+"))}
+      elif key == "gatherq":
+        attention_pallas.GATHER_Q = val != "0"
+      elif key == "grid16" and val in ("0", "1"):
+        qmatmul_pallas.IQ3S_GRID16 = val == "1"
+      elif key == "ksum" and val in ("0", "1"):
+        for (kernel, _), tiles in moe_pallas.MOE_TUNING.items():
+          if kernel == "down":
+            tiles["KSUM"] = val == "1"
+      else:
+        raise ValueError(key)
+    except ValueError:
+      raise app.UsageError(f"--glue {spec!r}: override {part!r}, expected rope=N, router=P:DC:W:RW, "
+                           f"xnat=T:B+T:B or 0, gatherq=0, ksum=0|1, grid16=0|1") from None
+
+
+def _random_kv(store, n_live: int, seed: int):
+  """`store` (a KVRing or a HostTier: per-layer k, v [C, Hkv, Dh] and int8 scales [C, Hkv]) with random K/V in its
+  first n_live slots (RoPE'd values are unit-scale; int8 as round(40 x) with scale 1/40) and zeros elsewhere."""
+  import jax
+  import jax.numpy as jnp
+  live = jnp.arange(store.k[0].shape[0]) < n_live
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2 * len(store.k))
+
+  def rnd(key, like):
+    x = jax.random.normal(key, like.shape, jnp.float32)
+    if like.dtype == jnp.int8:
+      return jnp.where(live[:, None, None], jnp.clip(jnp.round(x * 40), -127, 127), 0).astype(jnp.int8)
+    return jnp.where(live[:, None, None], x, 0).astype(like.dtype)
+  store = store.replace(k=tuple(rnd(keys[2 * i], a) for i, a in enumerate(store.k)),
+                        v=tuple(rnd(keys[2 * i + 1], a) for i, a in enumerate(store.v)))
+  if store.k_scale is not None:
+    sc = jnp.where(live[:, None], 1.0 / 40, 0.0).astype(jnp.float32)
+    store = store.replace(k_scale=tuple(jnp.broadcast_to(sc, a.shape) + 0 for a in store.k_scale),
+                          v_scale=tuple(jnp.broadcast_to(sc, a.shape) + 0 for a in store.v_scale))
+  return store
+
+
+def fill_ring(ring, depth: int, seed: int = 0, wrap: bool = False):
+  """Random K/V at positions [0, depth); length = depth. With `wrap` (a host tier holds the older positions)
+  depth may exceed the window: every slot is then live."""
+  import jax.numpy as jnp
+  if depth > ring.window and not wrap:
+    raise ValueError(f"depth {depth} exceeds the ring's window {ring.window}")
+  return _random_kv(ring, depth, seed).replace(length=jnp.int32(depth))
+
+
+def fill_host(ring, depth: int, capacity: int, seed: int = 1):
+  """A host tier of `capacity` positions holding random K/V for the positions the ring no longer shows,
+  [0, depth - window), placed in pinned host memory where the backend has it."""
+  from model.host_tier import HostTier, place_on_host
+  return place_on_host(_random_kv(HostTier.like(ring, capacity), max(0, depth - ring.window), seed))
+
+
+def time_steps(params, cfg, ring, steps: int, repeats: int, host=None,
+               trace_dir: str | None = None) -> tuple[list[float], float]:
+  """Time the jitted plain loop (with a host tier when given): (seconds per decode step, one value per repeat;
+  seconds of the untimed first run, i.e. compile + one run). The state is donated to the loop, so every repeat
+  starts from the previous one's state rewound; with `trace_dir` one more run is traced with jax.profiler (a
+  perfetto trace, untimed)."""
+  import contextlib
+
+  import jax
+  import jax.numpy as jnp
+
+  from decode.engine import LoopState, decode_loop
+  from model import api
+  kw = dict(cfg=cfg, temperature=0.0, top_p=1.0)
+  base_len = int(ring.length)
+  out = []
+  ls = None
+  for r in range(repeats + 1 + bool(trace_dir)):
+    st = (api.ModelState(ring, host=host) if ls is None
+          else ls.model.replace(ring=ls.model.ring.rewind(base_len)))
+    ls = LoopState(st, jnp.zeros((steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1), jax.random.PRNGKey(0),
+                   jnp.zeros((), bool))
+    # every input committed to the device, as the loop's outputs are (a host tier is committed to pinned host
+    # memory): otherwise the first timed repeat, fed the compile run's outputs, compiles again (seen on the H200)
+    ls = jax.tree.map(lambda x: x if x.committed else jax.device_put(x, jax.devices()[0]), ls)
+    jax.block_until_ready(ls)
+    traced = trace_dir and r == repeats + 1
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True) if traced else contextlib.nullcontext():
+      t0 = time.perf_counter()
+      ls = decode_loop(params, ls, jnp.int32(steps + 1), jnp.int32(-1), **kw)
+      jax.block_until_ready(ls)
+    if r == 0:                                  # r == 0 compiles
+      first_run_s = time.perf_counter() - t0
+    elif not traced:
+      out.append((time.perf_counter() - t0) / steps)
+    ring = None
+  return out, first_run_s
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  import jax
+  from tqdm import tqdm
+
+  from configs.presets import preset
+  from model.kv_ring import KVRing
+  from model.writer import quant_policy, random_params
+  from ops import attention
+  from ops.qtensor import with_kernels
+  from model import host_tier
+  from ops import attention_pallas
+  host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle      # read at trace time
+  from model import transformer
+  for g in FLAGS.glue:                        # every variant checked before the first cell runs
+    _glue_tilings(g)
+  if FLAGS.attn_kernel:
+    attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
+  cfg = preset(FLAGS.preset)
+  t0 = time.time()
+  params = random_params(cfg, types=quant_policy(FLAGS.experts, FLAGS.other), progress=True)
+  if FLAGS.fuse_qkv:
+    from model.api import fuse_qkv
+    params = fuse_qkv(params)                   # as model.loader.load_model
+  print(f"params built in {time.time() - t0:.0f} s", file=sys.stderr)
+  from bench.provenance import commit as _commit, device as _device
+  commit, device = _commit(), _device()
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+  rows = []
+  cells = [(int(r), int(d), kn, at, None) for r in FLAGS.rings for d in FLAGS.depths for kn in FLAGS.kernels
+           for at in FLAGS.attn if int(d) <= int(r)]
+  if FLAGS.cells:
+    cells = []
+    for c in FLAGS.cells:
+      parts = c.split(":")
+      parts += ["auto", FLAGS.kernels[0], ""][len(parts) - 2:]
+      cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2], int(parts[4]) if parts[4] else None))
+  cells = [c + (rw,) for c in cells for rw in FLAGS.glue]
+  with open(FLAGS.out, "a") as f:
+    prev = None
+    for R, depth, kn, at, C, rw in tqdm(cells, desc="cells", file=sys.stderr):
+      if prev is not None and prev != (kn, at, rw):
+        jax.clear_caches()                      # the attention and glue choices are read at trace time
+      prev = (kn, at, rw)
+      transformer.GLUE_KERNELS = rw != "off"
+      _glue_tilings(rw)
+      p = with_kernels(params, kn)
+      default_gpu = attention.DEFAULT_GPU_IMPL
+      default_kernel = attention_pallas.DEFAULT_DOTS, dict(attention_pallas.TUNING)
+      spec = at.replace("/", ":") if at.split("/")[0] in attention_pallas.DOTS else None
+      if spec:                                    # a kernel spec dots[/bk/warps/stages]: the kernel so tuned
+        if not is_spec(spec):
+          raise app.UsageError(f"--cells: attention {at!r}, expected dots/bk/warps/stages")
+        attention_pallas.configure(spec)
+        attention.DEFAULT_GPU_IMPL = "pallas"
+      elif at != "auto":
+        attention.DEFAULT_GPU_IMPL = at          # read at trace time; caches are cleared after each cell
+      try:
+        if C is not None and C < depth + FLAGS.steps + 1:
+          raise ValueError(f"max_context {C} < depth {depth} + {FLAGS.steps + 1} steps")
+        host_cap = C if C is not None and C > R else None
+        ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)),
+                         depth, wrap=host_cap is not None)
+        host = fill_host(ring, depth, host_cap) if host_cap else None
+        name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
+        tdir = os.path.join(FLAGS.profile, name) if FLAGS.profile else None
+        ts, first_s = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir)
+      except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
+        print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+        continue
+      finally:
+        attention.DEFAULT_GPU_IMPL = default_gpu
+        attention_pallas.DEFAULT_DOTS, attention_pallas.TUNING = default_kernel[0], default_kernel[1]
+      ms = sorted(ts)[len(ts) // 2] * 1e3
+      rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
+             "host_tier": host_cap,
+             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "glue": rw,
+             "attn_kernel": spec or FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
+             "host_skip_idle": FLAGS.host_skip_idle if host_cap else None, "ms_per_step": ms,
+             "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
+             "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+      f.write(json.dumps(rec) + "\n")
+      f.flush()
+      rows.append(rec)
+      print(f"R={R} depth={depth} {kn}/{at} glue {rw}{f' host {host_cap}' if host_cap else ''}: {ms:.3f} ms/step "
+            f"(first run {first_s:.1f} s)", file=sys.stderr)
+  print(f"\n{FLAGS.preset} ({FLAGS.experts} experts, {FLAGS.other} other, {FLAGS.kv} KV), {device}, commit {commit}, "
+        f"{FLAGS.steps} steps x {FLAGS.repeats}\n")
+  print("| ring | host tier | depth | kernels | attn | glue | ms/step | tok/s |\n"
+        "| ---: | ---: | ---: | --- | --- | --- | ---: | ---: |")
+  for r in rows:
+    print(f"| {r['ring']} | {r['host_tier'] or '-'} | {r['depth']} | {r['kernels']} | {r['attn']} | {r['glue']} | {r['ms_per_step']:.3f} | "
+          f"{1e3 / r['ms_per_step']:.1f} |")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,267 @@
+"""`python -m bench.cells` end to end on the default model (CPU): the JSONL records, the expert-cache arms sized
+by slots, replay's acceptance (its drafts are the plain greedy tokens, so anything below 100 % is a defect), the
+bytes-per-round model beside the measured speed-up, and the table."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def test_bench_cells_table_and_records(tmp_path):
+  cells = tmp_path / "cells.jsonl"
+  r = subprocess.run(
+      [sys.executable, "-m", "bench.cells", "--rings", "2048", "--drafts", "none,replay@2", "--expert_cache", "all,6",
+       "--depths", "48", "--max_new_tokens", "12", "--seeds", "1", "--max_context", "4096", "--cells", str(cells)],
+      capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  recs = [json.loads(line) for line in cells.read_text().splitlines()]
+  assert sorted(x["arm"] for x in recs) == sorted(["R2048-none-int8-D48", "R2048-none-int8-D48-X6",
+                                                   "R2048-replay@2-int8-D48", "R2048-replay@2-int8-D48-X6"])
+  for x in recs:
+    st = x["stats"]
+    assert st["generated_tokens"] == 12 and st["decode_tok_s"] > 0 and st["plan"]["items"]
+    cached = x["arm"].endswith("-X6")
+    assert st["expert_slots"] == (6 if cached else None)
+    if cached:   # 6 slots for 16 experts per block: some misses, counted per block
+      assert sum(st["expert_cache"]["misses"]) > 0 and st["expert_cache"]["slots"] == 6
+    log = open(x["log"]).read()      # the cell's own log: its request, plan table and result, as recorded
+    assert x["log"] == str(tmp_path / "cells.logs" / f"{x['arm']}-s0.log")
+    assert f"cell {x['arm']} seed 0: 48 prompt tokens" in log and "memory plan:" in log
+    assert f"{st['generated_tokens']} tokens at {st['decode_tok_s']:.2f} tok/s decode" in log
+    assert ("first (compiling) run" in log) and (("drafts accepted/proposed" in log) == ("replay" in x["arm"]))
+    if "replay" in x["arm"]:
+      assert st["acceptance"] == 1.0
+      assert st["plain"]["decode_tok_s"] > 0 and st["prefill_tok_s"] > 0    # the plain request it replays
+      bm = st["bytes_model"]
+      assert bm["draft_bytes"] == 0 and 1.0 < bm["round_over_step"] < 3.0     # union of 3 tokens' experts
+  out = r.stdout
+  assert "| vs plain (bytes model) |" in out and "x (model " in out and "6 slots" in out
+
+
+def test_compile_run_leaves_the_timed_runs_nothing_to_compile():
+  """The bench's untimed first run of an arm generates bench.COMPILE_TOKENS tokens but compiles every function its
+  timed runs call (buffers and ring sized for their max_new_tokens, the same prefill chunk), so a timed run adds
+  no entry to the decode loop's compile cache; a run sized for fewer tokens does."""
+  from bench import cells as bench
+  from decode import engine
+  from model.loader import default_model_path, load_model
+  bench.FLAGS(["bench", "--max_new_tokens", "20", "--max_context", "4096"])
+  try:
+    model = load_model(default_model_path())
+    arm = bench.Arm("R2048-none", ring="2048", depth=40)
+    first = bench.compile_run(model, arm)                                        # bench.main's compile run
+    assert first["generated_tokens"] == bench.COMPILE_TOKENS < 20                # a few tokens, 20-token buffers
+    before = engine.decode_loop._cache_size()
+    st = bench.run_cell(model, arm, seed=0, max_new=bench.FLAGS.max_new_tokens)
+    assert st["generated_tokens"] == 20
+    assert engine.decode_loop._cache_size() == before
+    shorter = bench.run_cell(model, arm, seed=0, max_new=16)                      # the old compile run's size
+    assert shorter["generated_tokens"] == 16 and engine.decode_loop._cache_size() == before + 1
+    from decode import speculative        # a replay arm: its plain request and its speculative loop
+    drafted = bench.Arm("R2048-replay", ring="2048", depth=40, draft="replay", k=3)
+    bench.compile_run(model, drafted)
+    loops = (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size())
+    st = bench.run_cell(model, drafted, seed=0, max_new=bench.FLAGS.max_new_tokens)
+    assert st["generated_tokens"] == 20 and st["acceptance"] == 1.0
+    assert (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size()) == loops
+  finally:
+    bench.FLAGS.unparse_flags()
+
+
+def test_only_runs_a_subset_of_a_named_set():
+  """--only splits seed4 over processes: the named arms, in set order; an unknown name is a one-line error."""
+  import pytest
+  from absl import app
+  from bench import cells as bench
+  try:
+    bench.FLAGS(["bench", "--arms", "seed4", "--only", "BR,AR"])
+    arms, _ = bench._arms()
+    assert [a.name for a in arms] == ["AR", "BR"] and [a.ring for a in arms] == ["32768", "49152"]
+    bench.FLAGS.unparse_flags()
+    bench.FLAGS(["bench", "--arms", "seed4", "--only", "AR,ZZ"])
+    with pytest.raises(app.UsageError, match="--only ZZ: not arms of seed4"):
+      bench._arms()
+  finally:
+    bench.FLAGS.unparse_flags()
+
+
+def test_text_prompts_have_the_cell_depth_or_are_refused():
+  """--prompt_source text gives exactly `depth` tokens (deep cells draw on all documentation topics), and a depth
+  beyond the text is refused with a message naming it, never cut short."""
+  import pytest
+
+  from bench import cells as bench
+  from model.loader import default_model_path, load_model
+  m = load_model(default_model_path())
+  for n in (1024, 40000):
+    ids = bench._text_tokens(m, n, seed=2)
+    assert len(ids) == n and all(0 <= t < m.cfg.vocab_size for t in ids)
+  assert bench._text_tokens(m, 1024, seed=2) != bench._text_tokens(m, 1024, seed=3)
+  with pytest.raises(ValueError, match="depth 1000000 exceeds"):
+    bench._text_tokens(m, 1_000_000, seed=0)
+
+
+def test_seed4_speed_bars_hold_at_1k_and_deep_cells_report_the_ratio():
+  """Pre-declared bars: decode tok/s within 3 % across rings at 1K (a 4 % gap FAILs); at a deeper cell the ratio is
+  reported without a bar (the rings differ there by design); acceptance must be identical at any depth."""
+  from bench import cells as bench
+  rec = lambda arm, tps, acc: {"arm": arm, "stats": {"decode_tok_s": tps, "drafts_accepted": acc}}  # noqa: E731
+  records = [rec("AS", 100.0, [3, 2]), rec("BS", 104.0, [3, 2]), rec("AN", 50.0, [1, 0]), rec("BN", 50.0, [1, 1])]
+  shallow = bench._verdicts(records, bench.SEED4_BARS)
+  assert "|BS-AS|/AS = 4.0% (bar < 3%): FAIL" in shallow
+  assert "|BN-AN|/AN = 0.0% (bar < 3%): PASS" in shallow
+  assert any(v.startswith("drafts accepted AN") and v.endswith("FAIL") for v in shallow)
+  # over several seeds, a gap inside an arm's own spread is no measured difference: INCONCLUSIVE, not FAIL
+  noisy = [rec("AR", v, [1]) for v in (396.0, 401.5, 398.2)] + [rec("BR", v, [1]) for v in (388.1, 374.2, 364.4)]
+  assert ("|BR-AR|/AR = 6.0% (bar < 3%; seeds' spread AR 1.4%, BR 6.3%): INCONCLUSIVE (inside the seeds' spread)"
+          in bench._verdicts(noisy, bench.SEED4_BARS))
+  steady = [rec("AR", v, [1]) for v in (396.0, 397.0, 398.0)] + [rec("BR", v, [1]) for v in (370.0, 371.0, 372.0)]
+  assert ("|BR-AR|/AR = 6.5% (bar < 3%; seeds' spread AR 0.5%, BR 0.5%): FAIL"
+          in bench._verdicts(steady, bench.SEED4_BARS))
+  deep = bench._verdicts(records, [(a, b, None if w == "decode tok/s" else t, w) for a, b, t, w in bench.SEED4_BARS])
+  assert "BS/AS decode tok/s = 1.040 (deep cell: reported, no bar)" in deep
+  assert any(v.startswith("drafts accepted AS") and v.endswith("PASS") for v in deep)
+
+
+def test_arms_compare_their_generated_tokens_seed_by_seed():
+  """Each record keeps its generated tokens; the verdicts say, per seed, whether a ring pair generated the same
+  ones or where they first differ (deeper than the smaller ring, the tier's merge may flip a near-tie)."""
+  from bench import cells as bench
+  rec = lambda arm, seed, toks: {"arm": arm, "seed": seed, "stats": {"decode_tok_s": 1.0, "drafts_accepted": [0],  # noqa: E731
+                                                                    "tokens": toks}}
+  records = [rec("AN", 0, [5, 6, 7]), rec("AN", 1, [1, 2, 3]), rec("BN", 0, [5, 6, 7]), rec("BN", 1, [1, 9, 3])]
+  got = bench._verdicts(records, [("AN", "BN", 0.0, "drafts accepted")])
+  assert got[-1] == ("generated tokens AN vs BN (reported: beyond the smaller ring's window): seed 0 identical, "
+                     "seed 1 differ from token 1 of 3"), got
+  # where both rings hold the request (invariant 1) it is a bar
+  for r in records:
+    r["config"] = {"depth": 1024, "max_new_tokens": 3, "ring": "32768" if r["arm"] == "AN" else "49152"}
+  got = bench._verdicts(records, [("AN", "BN", 0.0, "drafts accepted")])
+  assert got[-1].startswith("generated tokens AN vs BN (bar: identical, both rings hold the request)")
+  assert got[-1].endswith(": FAIL")
+  records[-1]["stats"]["tokens"] = [1, 2, 3]
+  assert bench._verdicts(records, [("AN", "BN", 0.0, "drafts accepted")])[-1].endswith("seed 1 identical: PASS")
+
+
+def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
+  """--reuse_prefill: seeds run outermost, each arm's compiling run takes seed 0's prompt, and arms with the same
+  ring and k share a prefill (NextN and lookup at k = 3): only the first arm's seed-1 run prefills by itself."""
+  cells = tmp_path / "cells.jsonl"
+  r = subprocess.run(
+      [sys.executable, "-m", "bench.cells", "--rings", "2048", "--drafts", "mtp,lookup", "--depths", "48",
+       "--max_new_tokens", "8", "--seeds", "2", "--reuse_prefill", "--cells", str(cells)],
+      capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  recs = [json.loads(line) for line in cells.read_text().splitlines()]
+  got = [(x["arm"].split("-")[1], x["seed"], x["stats"]["prefill_reused"]) for x in recs]
+  assert got == [("mtp", 0, True), ("lookup", 0, True), ("mtp", 1, False), ("lookup", 1, True)], got
+  assert all(x["config"]["reuse_prefill"] and x["stats"]["ttft_s"] > 0 for x in recs)
+  # a reused prefill's TTFT is another run's: such a run reports no prefill speed, and the table says so
+  assert [x["stats"]["prefill_tok_s"] is None for x in recs] == [True, True, False, True]
+  assert all(len(x["stats"]["tokens"]) == 8 for x in recs) and "| reused |" in r.stdout
+
+
+def test_random_params_are_the_loaded_files_params_on_any_thread_count(tmp_path):
+  """bench's in-memory models (model.writer.random_params): the tensors, types, shapes and layout that write_gguf
+  + load_model give for the same shape and type policy, and the same values whatever the number of threads
+  that build them."""
+  import jax
+  import numpy as np
+
+  from configs.presets import TINY_QWEN3MOE
+  from model.api import fuse_qkv
+  from model.loader import load_model
+  from model.writer import quant_policy, random_params, write_gguf
+  from ops.qtensor import QTensor
+
+  types = quant_policy("IQ3_S", "Q8_0")
+  one, three = (random_params(TINY_QWEN3MOE, types=types, seed=5, workers=w) for w in (1, 3))
+  leaf = lambda t: isinstance(t, QTensor)  # noqa: E731
+  assert jax.tree.structure(one, is_leaf=leaf) == jax.tree.structure(three, is_leaf=leaf)
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(three)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  loaded = load_model(write_gguf(tmp_path / "r.gguf", TINY_QWEN3MOE, types=types, seed=5)).params
+  shapes = lambda p: jax.tree.map(lambda t: (t.qtype, t.shape, tuple(x.shape for x in t.planes)) if leaf(t)  # noqa: E731
+                                  else (str(t.dtype), t.shape), p, is_leaf=leaf)
+  assert shapes(fuse_qkv(one)) == shapes(loaded)
+  assert not np.array_equal(np.asarray(jax.tree.leaves(one)[0]),
+                            np.asarray(jax.tree.leaves(random_params(TINY_QWEN3MOE, types=types, seed=6))[0]))
+
+
+def test_report_joins_records_of_separate_runs(tmp_path):
+  """--report: the seed4 arms of one depth, measured one ring per process, make one table and one set of verdicts;
+  records of other depths are left out, and a later record of the same arm and seed replaces an earlier one."""
+  from bench import cells as bench
+  def rec(arm, ring, seed, tps, acc, toks, depth=32768):
+    return {"arm": arm, "seed": seed, "commit": "abc", "device": "gpu",
+            "config": {"depth": depth, "max_new_tokens": 3, "ring": ring, "draft": "lookup"},
+            "stats": {"decode_tok_s": tps, "prefill_tok_s": None, "drafts_accepted": acc, "drafts_proposed": [4],
+                      "tokens": toks, "rounds": 4, "mean_accepted_len": 0.0,
+                      "bytes_model": {"step_bytes": 1.0, "round_bytes": 1.5}}}
+  a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+  a.write_text("\n".join(json.dumps(r) for r in [rec("AN", "32768", 0, 50.0, [0], [1, 2, 3]),
+                                                 rec("AN", "32768", 0, 60.0, [1], [1, 2, 3], depth=1024)]) + "\n")
+  b.write_text("\n".join(json.dumps(r) for r in [rec("BN", "49152", 0, 10.0, [0], [1, 2, 4]),
+                                                 rec("BN", "49152", 0, 100.0, [0], [1, 2, 3])]) + "\n")
+  try:
+    bench.FLAGS(["bench", "--arms", "seed4", "--only", "AN,BN", "--depths", "32768"])
+    out = bench.report([str(a), str(b)])
+    assert out.startswith("2 records from 2 files; commit/device: abc on gpu"), out
+    assert "BN/AN decode tok/s = 2.000 (deep cell: reported, no bar)" in out      # 100 replaced 10; 60 is at 1K
+    assert "drafts accepted AN [[0]] vs BN [[0]] (bar: identical): PASS" in out
+    assert "generated tokens AN vs BN (reported: beyond the smaller ring's window): seed 0 identical" in out
+    bench.FLAGS.unparse_flags()
+    bench.FLAGS(["bench", "--arms", "seed4", "--only", "AS,BS", "--depths", "32768"])
+    with pytest.raises(ValueError, match="no record of the arms"):
+      bench.report([str(a)])
+  finally:
+    bench.FLAGS.unparse_flags()
+  for bad, why in ((tmp_path / "missing.jsonl", "No such file"), (tmp_path / "broken.jsonl", "broken.jsonl:1: not a JSON")):
+    if "broken" in bad.name:
+      bad.write_text("{not json\n")
+    r = subprocess.run([sys.executable, "-m", "bench.cells", "--arms", "seed4", "--depths", "32768", "--report",
+                        str(bad)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and why in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_replay_without_a_plain_arm_compares_with_its_own_plain_requests():
+  """A replay run makes the plain request it drafts from: where no plain arm ran (seed4's AR/BR), the speed-up is
+  measured against those requests, and a replay run whose drafted request reused the plain one's prefill reports
+  the plain one's prefill speed."""
+  from bench import cells as bench
+  arms = [bench.Arm("AR", "32768", "replay", "int8", 1024, 3, "all")]
+  st = lambda tps, plain: {"decode_tok_s": tps, "plain": {"decode_tok_s": plain}, "rounds": 4,  # noqa: E731
+                           "drafts_proposed": [4, 4, 4], "mean_accepted_len": 3.0,
+                           "bytes_model": {"step_bytes": 1.0, "round_bytes": 1.5}}
+  recs = [{"arm": "AR", "seed": s, "stats": st(t, p)} for s, (t, p) in enumerate([(300.0, 100.0), (330.0, 110.0),
+                                                                                    (280.0, 120.0)])]
+  assert bench._speedups(recs, arms, arms[0]) == "2.73x (its plain requests) (model 2.67x)"   # 300 / 110
+
+
+def test_bench_step_glue_override_switches_the_down_kernel_topk_sum():
+  """`bench.step --glue on,on/ksum=1` A/Bs the MoE down kernel's in-kernel top-k sum in one process (and
+  grid16=1 the IQ3_S grid table's form): the override reaches the choice the kernels read at trace time, plain "on" restores the default, and a bad value
+  is a usage error. (Its own process: bench_step and bench define the same absl flags.)"""
+  code = """
+from absl import app
+from bench import step as bench_step
+from ops import moe_pallas
+down = lambda: dict(moe_pallas._cfg("down", "Q4_K", 2048, 3, None))["KSUM"]
+default = down()
+bench_step._glue_tilings("on/ksum=1"); assert down() is True
+bench_step._glue_tilings("on/ksum=0"); assert down() is False
+bench_step._glue_tilings("on"); assert down() is default
+from ops import qmatmul_pallas
+g16 = qmatmul_pallas.IQ3S_GRID16
+bench_step._glue_tilings("on/grid16=1"); assert qmatmul_pallas.IQ3S_GRID16 is True
+bench_step._glue_tilings("on/grid16=0"); assert qmatmul_pallas.IQ3S_GRID16 is False
+bench_step._glue_tilings("on"); assert qmatmul_pallas.IQ3S_GRID16 is g16
+try:
+  bench_step._glue_tilings("on/ksum=2"); raise SystemExit("ksum=2 accepted")
+except app.UsageError as e:
+  assert "ksum=0|1" in str(e), e
+print("ok", default)
+"""
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.startswith("ok False"), r.stderr[-2000:]

@@ -1,0 +1,212 @@
+"""Speculative decoding against plain decoding (DESIGN invariants 3 and 4, issue 5).
+
+Greedy: every drafter (NextN at k = 1..4, lookup, replay) emits exactly the plain greedy tokens, for bf16 and
+int8 KV and two ring capacities; acceptance counts do not depend on the ring's capacity; replay accepts 100 %.
+Sampling: rejection-sampling verification has the target distribution (chi-square).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from decode.engine import generate
+from decode.speculative import speculative_generate, verify_sample
+from model.loader import load_model
+from tests.models import model_path
+
+N_NEW = 40
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+  return load_model(model_path("glm4moe", "Q4_K_M"))
+
+
+def _prompt(n=24, seed=3):
+  # a prompt with repeats, so the lookup drafter finds matches
+  base = [int(t) for t in np.random.default_rng(seed).integers(0, 1000, n // 2)]
+  return base + base
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(kv: str, cap: int):
+  return generate(_model(), _prompt(), max_new_tokens=N_NEW, stop_at_eos=False, kv=kv, kv_resident=cap).ids
+
+
+CASES = [("mtp", 1, "bf16", 1024), ("mtp", 2, "int8", 2048), ("mtp", 3, "bf16", 2048), ("mtp", 4, "int8", 1024),
+         ("lookup", 3, "bf16", 1024), ("lookup", 2, "int8", 2048), ("replay", 3, "int8", 1024), ("replay", 4, "bf16", 2048)]
+
+
+@pytest.mark.parametrize("drafter,k,kv,cap", CASES)
+def test_greedy_speculative_equals_plain_greedy(drafter, k, kv, cap):
+  plain = _plain(kv, cap)
+  r = speculative_generate(_model(), _prompt(), drafter=drafter, k=k, max_new_tokens=N_NEW, stop_at_eos=False,
+                           kv=kv, kv_resident=cap, replay_ids=plain, mtp_window=256)
+  print(f"\n{drafter} k={k} {kv} R={cap}: proposed {r.stats['drafts_proposed']} accepted {r.stats['drafts_accepted']}"
+        f" rounds {r.stats['rounds']}")
+  assert r.ids == plain
+  if drafter == "replay":
+    assert r.stats["drafts_accepted"] == r.stats["drafts_proposed"]          # 100 % acceptance
+    assert r.stats["rounds"] == -(-(N_NEW - 1) // (k + 1))
+  if drafter == "lookup":
+    # both kinds of round ran: verify passes (drafts proposed) and draftless rounds (one plain step each)
+    assert 0 < r.stats["drafts_proposed"][0] < r.stats["rounds"]
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "lookup"])
+def test_acceptance_counts_do_not_depend_on_ring_capacity(drafter):
+  runs = [speculative_generate(_model(), _prompt(), drafter=drafter, k=3, max_new_tokens=N_NEW, stop_at_eos=False,
+                               kv="bf16", kv_resident=cap, mtp_window=256) for cap in (1024, 1536)]
+  assert runs[0].ids == runs[1].ids
+  for key in ("drafts_proposed", "drafts_accepted", "rounds"):
+    assert runs[0].stats[key] == runs[1].stats[key]
+
+
+def test_eager_rounds_equal_jitted_loop():
+  kw = dict(drafter="lookup", k=2, max_new_tokens=16, stop_at_eos=False, kv="bf16", kv_resident=1024)
+  a = speculative_generate(_model(), _prompt(), eager=True, **kw)
+  b = speculative_generate(_model(), _prompt(), **kw)
+  assert a.ids == b.ids and a.stats["drafts_accepted"] == b.stats["drafts_accepted"]
+
+
+def _chi2_ok(counts, probs, n):
+  """Pearson chi-square against expected counts, bins with expected >= 5; p-value > 1e-3."""
+  from scipy import stats as st
+  exp = probs * n
+  m = exp >= 5
+  chi = np.sum((counts[m] - exp[m]) ** 2 / exp[m])
+  return st.chi2.sf(chi, df=int(m.sum()) - 1), chi
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_rejection_sampling_has_the_target_distribution(k):
+  """Emitted tokens of one round, over many keys: first token ~ p_0, and (for k = 2) the first two jointly
+  ~ p_0 x p_1 (position-wise targets that do not depend on the prefix), whatever the proposal q."""
+  V, N = 6, 40000
+  rng = np.random.default_rng(0)
+  p = rng.dirichlet(np.ones(V), size=k + 1).astype(np.float32)
+  q = rng.dirichlet(np.ones(V) * 0.5, size=k).astype(np.float32)
+
+  def one(key):
+    kd, kv = jax.random.split(key)
+    d = jax.vmap(lambda kk, qq: jax.random.categorical(kk, jnp.log(qq)))(jax.random.split(kd, k), jnp.asarray(q))
+    n_acc, nxt = verify_sample(jnp.asarray(p), jnp.asarray(q), d.astype(jnp.int32), jnp.ones(k, bool), kv)
+    em = jnp.where(jnp.arange(k + 1) < n_acc, jnp.concatenate([d, d[-1:]]), nxt)
+    return em, n_acc
+
+  em, n_acc = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(1), N))
+  em, n_acc = np.asarray(em), np.asarray(n_acc)
+  pv, chi = _chi2_ok(np.bincount(em[:, 0], minlength=V), p[0], N)
+  print(f"\nk={k}: first token chi2={chi:.1f} p={pv:.3f}; mean accepted {n_acc.mean():.2f}")
+  assert pv > 1e-3
+  if k == 2:
+    two = n_acc >= 1                                   # rows that emitted at least two tokens
+    joint = np.bincount(em[two, 0] * V + em[two, 1], minlength=V * V)
+    # given >= 2 emitted, token 2 is still ~ p_1 independent of token 1
+    cond = joint.reshape(V, V).sum(0)
+    pv2, chi2 = _chi2_ok(cond, p[1], two.sum())
+    assert pv2 > 1e-3
+  # a wrong verifier (always accept) must fail the same test
+  bad = np.asarray(jax.vmap(lambda kk: jax.random.categorical(kk, jnp.log(jnp.asarray(q[0]))))(
+      jax.random.split(jax.random.PRNGKey(2), N)))
+  assert _chi2_ok(np.bincount(bad, minlength=V), p[0], N)[0] < 1e-3
+
+
+def test_sampled_mtp_runs_and_respects_the_budget():
+  r = speculative_generate(_model(), _prompt(), drafter="mtp", k=2, max_new_tokens=20, stop_at_eos=False,
+                           kv="bf16", kv_resident=1024, temperature=0.8, top_p=0.9, seed=5)
+  assert len(r.ids) == 20 and all(0 <= t < _model().cfg.vocab_size for t in r.ids)
+
+
+@pytest.mark.parametrize("drafter,skip_idle", [("mtp", False), ("lookup", True)])
+def test_greedy_speculative_with_a_host_tier_equals_plain_greedy(drafter, skip_idle, monkeypatch, request):
+  """A ring of 256 under max_context 1024 (the seed experiment's setting in small): a 600-token prompt and
+  verify passes that move positions into the host tier as they leave the window; the tokens of plain greedy
+  decoding on one ring that holds everything, and the same acceptance as speculative decoding on that ring."""
+  from model import host_tier
+  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip_idle)   # read at trace time: drop compiled steps
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
+  prompt = _prompt(600, seed=4)
+  plain = generate(_model(), prompt, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", kv_resident=2048).ids
+  kw = dict(drafter=drafter, k=3, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", mtp_window=256)
+  tier = speculative_generate(_model(), prompt, kv_resident=256, max_context=1024, **kw)
+  big = speculative_generate(_model(), prompt, kv_resident=2048, **kw)
+  assert tier.ids == plain
+  assert tier.stats["drafts_accepted"] == big.stats["drafts_accepted"]
+
+
+def test_prefill_cache_reuse_changes_no_token():
+  """decode.engine.PrefillCache (bench.cells --reuse_prefill): a 600-token prompt prefilled once on a 256-slot ring
+  with a host tier (max_context 1024: the prompt already wraps the ring) serves the later requests with the same
+  ring, k and chunking. Every request emits the tokens and draft counts of the same request prefilling by itself;
+  the plain, NextN and lookup requests (k = 3) share one entry (beside a host tier every request has the same
+  scratch slots, engine.TIER_SCRATCH, and the drafter ring is filled after the prefill); each use gets its own
+  copy of the state (the steps donate it)."""
+  from decode.engine import PrefillCache
+  m = _model()
+  prompt = _prompt(600, seed=5)
+  kw = dict(max_new_tokens=24, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024, prefill_chunk=128)
+  cache = PrefillCache(capacity=2)
+  plain = generate(m, prompt, **kw)
+  for _ in range(2):
+    got = generate(m, prompt, prefill_cache=cache, **kw)
+    assert got.ids == plain.ids
+  assert got.stats["prefill_reused"] and not plain.stats["prefill_reused"]
+  assert got.stats["ttft_s"] > 0 and (cache.hits, cache.misses) == (1, 1)
+  # TTFT's parts: a prefilling request's setup (checks, allocation, the cache's bookkeeping) and prefill are inside
+  # its window; a hit has no prefill of its own
+  assert plain.stats["prefill_s"] > 0 and plain.stats["setup_s"] >= 0
+  assert plain.stats["setup_s"] + plain.stats["prefill_s"] <= plain.stats["ttft_s"]
+  assert got.stats["prefill_s"] is None and 0 <= got.stats["setup_s"] <= got.stats["ttft_s"]
+  for drafter in ("mtp", "lookup", "mtp"):
+    alone = speculative_generate(m, prompt, drafter=drafter, k=3, mtp_window=256, **kw)
+    shared = speculative_generate(m, prompt, drafter=drafter, k=3, mtp_window=256, prefill_cache=cache, **kw)
+    assert alone.ids == shared.ids == plain.ids
+    assert alone.stats["setup_s"] + alone.stats["prefill_s"] <= alone.stats["ttft_s"]
+    assert (alone.stats["drafts_proposed"], alone.stats["drafts_accepted"]) == \
+        (shared.stats["drafts_proposed"], shared.stats["drafts_accepted"])
+  assert (cache.hits, cache.misses, len(cache)) == (4, 1, 1)
+
+
+def test_plain_and_speculative_requests_beside_a_tier_share_one_window():
+  """Beside a host tier the window (capacity - scratch) decides which positions attention takes from the ring and
+  which from the tier, and the two parts sum in different orders; so a plain request and a speculative one at any
+  k <= 7 get the same scratch (engine.TIER_SCRATCH) and window, and replay's drafts (the plain request's tokens)
+  are all accepted. Without a tier the scratch stays k + 1."""
+  from decode import engine
+  m = _model()
+  prompt = _prompt(600, seed=6)
+  gen = engine.GenConfig(max_new_tokens=24, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  windows = {k: engine.start_request(m, prompt, gen, k=k).state.ring.window for k in (0, 1, 3, 7)}
+  assert set(windows.values()) == {256 - engine.TIER_SCRATCH}, windows
+  small = engine.GenConfig(max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=256)
+  assert engine.start_request(m, prompt[:100], small, k=3).state.ring.scratch == 4
+  kw = dict(max_new_tokens=24, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  plain = generate(m, prompt, **kw)
+  rep = speculative_generate(m, prompt, drafter="replay", k=3, replay_ids=plain.ids, **kw)
+  assert rep.ids == plain.ids and rep.stats["acceptance"] == 1.0
+
+
+def test_memory_plan_counts_the_host_tier_the_engine_allocates():
+  """kv_plan's host tier item is the bytes of the tier a request allocates: indexed by position, max_context plus
+  the scratch slots (it said max_context - ring before, 1.6 GB short of the 6.9 GB tier of a seed4 arm)."""
+  from decode import engine
+  from decode.kv_plan import make_plan
+  m = _model()
+  gen = engine.GenConfig(max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  for k in (0, 3):
+    host = engine.start_request(m, _prompt(300, seed=7), gen, k=k).state.host
+    plan = make_plan(m.cfg, weight_bytes=0, ring=256, kv="int8", max_context=1024, k=k)
+    assert plan.get("host tier") == sum(x.nbytes for x in jax.tree.leaves(host)) > 0
+  # an auto ring grows to hold the request and never gets a tier: the plan lists none
+  auto = dataclasses.replace(gen, kv_resident=None)
+  started = engine.start_request(m, _prompt(300, seed=7), auto, k=3)
+  assert started.state.host is None and started.grow
+  plan = make_plan(m.cfg, weight_bytes=0, ring=started.cap, kv="int8", max_context=1024, k=3, fixed_ring=False)
+  assert plan.get("host tier") == 0 and plan.get("main ring") > 0

@@ -1,0 +1,117 @@
+"""The per-token Pallas glue kernels against their jnp references (interpret mode on CPU), their batch invariance
+(a T-token call's row t is bitwise the same row computed alone), and their lowering for an abstract CUDA and ROCm
+device: ops/rmsnorm_pallas (RMSNorm + residual), ops/router_pallas (router logits, top-k routing) and the decode
+attention's split merge (ops/attention_pallas.merge_splits)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops import attention, attention_pallas, rmsnorm_pallas, router_pallas
+from ops.layers import rms_norm
+from tests.ops.test_lowering import DEVICES, _lower
+
+RNG = np.random.default_rng(0)
+
+
+def _rows_alone(f, *xs):
+  T = xs[0].shape[0]
+  return [jax.tree_util.tree_map(np.asarray, f(*(x[i:i + 1] for x in xs))) for i in range(T)]
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_kernel(residual):
+  T, D = 5, 256
+  x = jnp.asarray(RNG.standard_normal((T, D)) * 3, jnp.float32)
+  r = jnp.asarray(RNG.standard_normal((T, D)), jnp.float32) if residual else None
+  w = jnp.asarray(1 + 0.1 * RNG.standard_normal(D), jnp.float32)
+  got = rmsnorm_pallas.add_rms_norm(x, w, 1e-6, r, impl="interpret")
+  if residual:
+    s, y = got
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(x + r))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(rms_norm(x + r, w, 1e-6)), rtol=2e-6, atol=1e-6)
+  else:
+    np.testing.assert_allclose(np.asarray(got), np.asarray(rms_norm(x, w, 1e-6)), rtol=2e-6, atol=1e-6)
+  f = jax.jit(lambda x, *r: rmsnorm_pallas.rms_norm_pallas(x, w, 1e-6, *r, interpret=True))
+  full = np.asarray(jax.tree_util.tree_leaves(f(x, *([r] if residual else [])))[-1])
+  alone = _rows_alone(lambda *a: jax.tree_util.tree_leaves(f(*a))[-1], x, *([r] if residual else []))
+  np.testing.assert_array_equal(full, np.concatenate(alone))
+  # the dispatcher keeps the reference where the kernel does not apply (prefill-sized T, D not a power of two)
+  assert not rmsnorm_pallas.supported(17, 256) and not rmsnorm_pallas.supported(4, 384)
+
+
+@pytest.mark.parametrize("routing,E,K,norm,scale", [("softmax", 128, 8, True, 1.0), ("sigmoid", 64, 10, True, 2.5),
+                                                    ("softmax", 8, 2, False, 1.0)])
+def test_route_kernel(routing, E, K, norm, scale):
+  T, D = 3, 512
+  x = jnp.asarray(RNG.standard_normal((T, D)), jnp.float32)
+  wr = jnp.asarray(RNG.standard_normal((E, D)) * 0.05, jnp.float32)
+  bias = jnp.asarray(RNG.standard_normal(E) * 0.05, jnp.float32) if routing == "sigmoid" else None
+  kw = dict(routing=routing, top_k=K, norm_topk=norm, routed_scale=scale)
+  ids, w = router_pallas.route(x, wr, bias, impl="interpret", **kw)
+  with jax.default_matmul_precision("highest"):
+    rid, rw = router_pallas.route(x, wr, bias, impl="ref", **kw)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(rid))      # the same experts in the same order
+  np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-5, atol=1e-7)
+  f = jax.jit(lambda x: router_pallas.route_pallas(x, wr, bias, interpret=True, **kw))
+  full = jax.tree_util.tree_map(np.asarray, f(x))
+  alone = _rows_alone(f, x)
+  for j in range(2):
+    np.testing.assert_array_equal(full[j], np.concatenate([a[j] for a in alone]))
+
+
+def test_route_ties_pick_the_lower_index_as_top_k():
+  x = jnp.ones((1, 256), jnp.float32)
+  wr = jnp.zeros((16, 256), jnp.float32).at[5].set(1.0).at[9].set(1.0).at[2].set(1.0)   # three equal best logits
+  ids, _ = router_pallas.route(x, wr, None, routing="softmax", top_k=4, norm_topk=True, routed_scale=1.0,
+                               impl="interpret")
+  rid, _ = router_pallas.route(x, wr, None, routing="softmax", top_k=4, norm_topk=True, routed_scale=1.0, impl="ref")
+  assert list(np.asarray(ids)[0]) == list(np.asarray(rid)[0])
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_attention_merge_kernel_and_its_batch_invariance(with_lse):
+  """The split merge inside the decode kernel: against the reference attention, and a 4-query call's rows bitwise
+  the rows of each query alone at its own causal length."""
+  from model.kv_ring import KVRing
+  Hq, Hkv, Dh, T, depth = 8, 2, 32, 4, 300
+  ring = KVRing.create(1, 512, Hkv, Dh, "int8", block=64)
+  ring = ring.write(0, jnp.arange(depth + T), jnp.asarray(RNG.standard_normal((depth + T, Hkv, Dh)), jnp.float32),
+                    jnp.asarray(RNG.standard_normal((depth + T, Hkv, Dh)), jnp.float32))
+  q = jnp.asarray(RNG.standard_normal((T, Hq, Dh)), jnp.float32)
+
+  def att(q, p, n, impl):
+    return attention.ring_attention(q, *ring.layer(0), p, n, block=64, scale=Dh ** -0.5, impl=impl, with_lse=with_lse)
+
+  pos = depth + jnp.arange(T)
+  got = att(q, pos, depth + T, "interpret")
+  with jax.default_matmul_precision("highest"):
+    ref = att(q, pos, depth + T, "ref")
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+  k = jax.jit(lambda q, p, n: att(q, p, n, "interpret"))
+  full = jax.tree_util.tree_leaves(k(q, pos, depth + T))
+  alone = [jax.tree_util.tree_leaves(k(q[i:i + 1], pos[i:i + 1], depth + i + 1)) for i in range(T)]
+  for j, f in enumerate(full):
+    np.testing.assert_array_equal(np.asarray(f), np.concatenate([np.asarray(a[j]) for a in alone]))
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_glue_kernels_lower(platform):
+  T, D, E = 4, 2048, 512
+  x = jax.ShapeDtypeStruct((T, D), jnp.float32)
+  w = jax.ShapeDtypeStruct((D,), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w, r: rmsnorm_pallas.rms_norm_pallas(x, w, 1e-6, r),
+                                          x, w, x)
+  wr = jax.ShapeDtypeStruct((E, D), jnp.float32)
+  b = jax.ShapeDtypeStruct((E,), jnp.float32)
+  txt = _lower(platform, lambda x, wr, b: router_pallas.route_pallas(x, wr, b, routing="sigmoid", top_k=10,
+                                                                     norm_topk=True, routed_scale=2.5), x, wr, b)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
+  S, P, Dh, G = 64, 32, 128, 8
+  o = jax.ShapeDtypeStruct((4, S, P, Dh), jnp.float32)
+  m = jax.ShapeDtypeStruct((4, S, P), jnp.float32)
+  txt = _lower(platform, lambda o, m, l: attention_pallas.merge_splits(o, m, l, T=4, G=G, with_lse=True), o, m, m)
+  assert "__gpu$xla.gpu.triton" in txt

@@ -1,0 +1,179 @@
+"""Lower every quantized kernel to Triton for an abstract CUDA device (H200) and an abstract ROCm device (MI300,
+gfx942) from this CPU-only jaxlib: `AbstractDevice` in an `AbstractMesh` under `use_abstract_mesh`, then
+`jit(...).trace(...).lower(lowering_platforms=(...))`. Catches Triton-lowering errors (unsupported primitives,
+non-power-of-two tensors, multi-axis reductions under a mesh) that interpret mode does not see.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul_pallas, quant, repack
+from ops.qtensor import QTensor
+
+DEVICES = {"cuda": "NVIDIA H200", "rocm": "gfx942"}
+
+
+def _abstract_qtensor(qtype, shape):
+  nb = shape[-1] // quant.GGML_TYPES[qtype][0]
+  planes = tuple(jax.ShapeDtypeStruct((*shape[:-1], nb, *f.shape), jnp.dtype(f.dtype)) for f in repack.LAYOUTS[qtype])
+  return QTensor(planes, qtype, shape[-1], "pallas")
+
+
+def _lower(platform, fn, *args) -> str:
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(DEVICES[platform], None, platform))
+  with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+    warnings.simplefilter("ignore", DeprecationWarning)       # the Pallas Triton backend warns it is deprecated
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("qtype", qmatmul_pallas.KERNEL_TYPES)
+def test_qmatmul_lowers(qtype, platform):
+  w = _abstract_qtensor(qtype, (4096, 2048))
+  for B in (1, 5):
+    x = jax.ShapeDtypeStruct((B, 2048), jnp.float32)
+    txt = _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w), x, w)
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("qtype", qmatmul_pallas.KERNEL_TYPES)
+def test_moe_lowers(qtype, platform):
+  g = _abstract_qtensor(qtype, (128, 768, 2048))
+  d = _abstract_qtensor(qtype, (128, 2048, 768))                 # F = 768: 3 superblocks, a 2 + 1 K plan
+  for T in (3,):
+    x = jax.ShapeDtypeStruct((T, 2048), jnp.float32)
+    ids = jax.ShapeDtypeStruct((T, 8), jnp.int32)
+    w = jax.ShapeDtypeStruct((T, 8), jnp.float32)
+    txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d), x, ids, w, g, g, d)
+    assert txt.count("__gpu$xla.gpu.triton") == 2                 # gate/up kernel, down kernel
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_moe_stacked_and_split_k_lower(platform):
+  """The stacked-layer entry (layer index an input) and gate/up split over K lower for both GPU platforms."""
+  g = _abstract_qtensor("IQ3_S", (4, 128, 768, 2048))
+  d = _abstract_qtensor("Q4_K", (4, 128, 2048, 768))
+  x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  w = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+  ov = {"gateup": dict(KS=4)}
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(2),
+                                                                        overrides=ov), x, ids, w, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.fixture(params=["presplit", "x1"])
+def gemm_form(request, retrace):
+  """The prefill GEMM's float32-accurate form (the CPU default) and the one-MMA form a GPU takes by default."""
+  retrace(qgemm_pallas, "GEMM_FORM", request.param)
+  return request.param
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("qtype", qmatmul_pallas.KERNEL_TYPES)
+def test_qgemm_lowers(qtype, platform, gemm_form):
+  """The tensor-core GEMM for prefill rows (bf16 dots of dequantized pieces) lowers for both GPU platforms."""
+  w = _abstract_qtensor(qtype, (5120, 2048))
+  x = jax.ShapeDtypeStruct((100, 2048), jnp.float32)
+  txt = _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), x, w)
+  assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+def _triton_ir(txt: str, name: str) -> str:
+  """The serialized Triton module of kernel `name` in a lowered module's text (its `ir` attribute)."""
+  end = txt.index(f'", name = "{name}"')
+  return txt[txt.rindex('ir = "', 0, end) + 6:end]
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_qgemm_forms_lower_to_their_own_kernels(platform, retrace):
+  """The form reaches the kernel: x1's Triton module (one bf16 dot per piece) is smaller than presplit's (three
+  dots accumulating), for a dense and a grouped GEMM."""
+  w = _abstract_qtensor("Q8_0", (5120, 2048))
+  x = jax.ShapeDtypeStruct((100, 2048), jnp.float32)
+  ids = jax.ShapeDtypeStruct((100, 8), jnp.int32)
+  wk = jax.ShapeDtypeStruct((100, 8), jnp.float32)
+  g = _abstract_qtensor("IQ3_S", (128, 768, 2048))
+  d = _abstract_qtensor("IQ3_S", (128, 2048, 768))
+  size = {}
+  for form in ("presplit", "x1"):
+    retrace(qgemm_pallas, "GEMM_FORM", form)
+    dense = _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), x, w)
+    grouped = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
+                     x, ids, wk, g, g, d)
+    size[form] = len(_triton_ir(dense, "qgemm_q8_0")), len(_triton_ir(grouped, "qgemm_pair_iq3_s"))
+  assert all(a < 0.9 * b for a, b in zip(size["x1"], size["presplit"])), size
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("gq,dq", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS")])
+def test_moe_grouped_lowers(gq, dq, platform, gemm_form):
+  """The grouped prefill GEMM (row tiles of one expert) lowers for both GPU platforms."""
+  g = _abstract_qtensor(gq, (128, 768, 2048))
+  d = _abstract_qtensor(dq, (128, 2048, 768))
+  x = jax.ShapeDtypeStruct((512, 2048), jnp.float32)
+  ids = jax.ShapeDtypeStruct((512, 8), jnp.int32)
+  w = jax.ShapeDtypeStruct((512, 8), jnp.float32)
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
+               x, ids, w, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+@pytest.mark.parametrize("dq", ["Q4_K", "IQ3_S"])
+def test_moe_down_with_the_topk_sum_lowers(platform, dq):
+  """The down kernel's KSUM option (a loop over the token's K pairs in the program) lowers, stacked and not."""
+  x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  w = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+  ov = {"down": {"KSUM": True}}
+  g, d = _abstract_qtensor("IQ3_S", (128, 768, 2048)), _abstract_qtensor(dq, (128, 2048, 768))
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, overrides=ov), x, ids, w, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
+  gs, ds = _abstract_qtensor("IQ3_S", (2, 128, 768, 2048)), _abstract_qtensor(dq, (2, 128, 2048, 768))
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(1),
+                                                                        overrides=ov), x, ids, w, gs, gs, ds)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_bench_floor_kernels_lower(platform):
+  """bench.kernels's part (b) floor (the step's launches without weight bytes) lowers for both GPU platforms."""
+  from ops import bench
+  x = jax.ShapeDtypeStruct((1, bench.D), jnp.float32)
+  ids = jax.ShapeDtypeStruct((2, 1, bench.TOPK), jnp.int32)
+  w = jax.ShapeDtypeStruct((2, 1, bench.TOPK), jnp.float32)
+  txt = _lower(platform, bench._floor_fn("Q4_K").__wrapped__, x, ids, w)
+  assert txt.count("__gpu$xla.gpu.triton") == 4                   # two layers x (gate/up-like, down-like)
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_bench_launch_chain_lowers(platform):
+  """bench.kernels's launch floor (layers x n trivial dependent kernels) lowers for both GPU platforms."""
+  from ops import bench
+  x = jax.ShapeDtypeStruct((1, bench.D), jnp.float32)
+  txt = _lower(platform, bench._chain_fn(2, 3).__wrapped__, x)
+  assert txt.count("__gpu$xla.gpu.triton") == 6
+
+
+@pytest.mark.parametrize("platform", list(DEVICES))
+def test_iq3s_grid16_kernels_lower(platform, retrace):
+  """With the 16-bit IQ3_S grid table (qmatmul_pallas.IQ3S_GRID16: a uint16 gather) the projection, the MoE
+  kernels and the prefill GEMM still lower for both GPU platforms."""
+  retrace(qmatmul_pallas, "IQ3S_GRID16", True)
+  w = _abstract_qtensor("IQ3_S", (4096, 2048))
+  x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w), x, w)
+  xt = jax.ShapeDtypeStruct((64, 2048), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), xt, w)
+  g, d = _abstract_qtensor("IQ3_S", (128, 768, 2048)), _abstract_qtensor("IQ3_S", (128, 2048, 768))
+  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  wk = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d), x, ids, wk, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
