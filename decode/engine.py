@@ -22,6 +22,9 @@ from flax import struct
 from decode.sampling import sample
 from model import api
 from model.config import ModelConfig
+from model.options import DEFAULT, Options
+from model import state as model_state
+from model.state import ModelState
 from ops import on_gpu
 
 
@@ -48,6 +51,7 @@ class GenConfig:
   expert_store: str | None = None     # where the expert store lives with expert_slots: None picks
                                       # expert_cache.store_memory_kind() ("pinned_host" on a GPU that has it, else
                                       # "device"); "pinned_host" forces it (jax's CPU client has the kind: tests)
+  options: Options = DEFAULT          # how the model runs (glue kernels, idle-tier skip, prefill precision, tuning)
 
 
 @dataclasses.dataclass
@@ -60,7 +64,7 @@ class GenResult:
 
 @struct.dataclass
 class LoopState:
-  model: api.ModelState
+  model: ModelState
   out: jax.Array        # int32 [N] static-size output buffer
   n: jax.Array          # tokens written to out
   token: jax.Array      # last token (the next step's input)
@@ -68,15 +72,16 @@ class LoopState:
   done: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_p"), donate_argnames=("ls",))
-def decode_loop(params, ls: LoopState, n_max, eos_id, *, cfg: ModelConfig, temperature: float, top_p: float):
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_p", "options"), donate_argnames=("ls",))
+def decode_loop(params, ls: LoopState, n_max, eos_id, *, cfg: ModelConfig, temperature: float, top_p: float,
+                options: Options = DEFAULT):
   """Generate until n == n_max or EOS: each iteration feeds `token` (already in out[n-1]) and stores the next."""
 
   def cond(s):
     return (s.n < n_max) & ~s.done
 
   def body(s):
-    logits, _, model = api.forward(params, s.token[None], s.model, cfg=cfg)
+    logits, _, model = api.forward(params, s.token[None], s.model, cfg=cfg, options=options)
     key, sub = jax.random.split(s.key)
     nxt = sample(logits[0], sub, temperature, top_p)
     return LoopState(model, s.out.at[s.n].set(nxt), s.n + 1, nxt, key, s.done | (nxt == eos_id))
@@ -120,10 +125,10 @@ def commit_for_store(tree, params, cfg: ModelConfig):
 
 
 def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, scratch: int = 0,
-               host: int | None = None, params: dict | None = None) -> api.ModelState:
+               host: int | None = None, params: dict | None = None) -> ModelState:
   """The request's state: rings, a host tier of `host` positions when given, and, with gen.expert_slots, an
   empty expert cache over the store of `params` (default model.params)."""
-  state = api.init_state(model.cfg, cap, gen.kv, mtp_window=mtp_window, scratch=scratch)
+  state = model_state.init_state(model.cfg, cap, gen.kv, mtp_window=mtp_window, scratch=scratch)
   if host:
     from model.host_tier import HostTier, place_on_host
     state = state.replace(host=place_on_host(HostTier.like(state.ring, host)))
@@ -163,8 +168,8 @@ def prefill_tail(chunk: int) -> int:
   return min(chunk, KERNEL_PREFILL_CHUNK) if on_gpu() else chunk
 
 
-def prefill_chunked(params, prompt: list[int], state: api.ModelState, cfg: ModelConfig, chunk: int,
-                    tail: int | None = None):
+def prefill_chunked(params, prompt: list[int], state: ModelState, cfg: ModelConfig, chunk: int,
+                    tail: int | None = None, options: Options = DEFAULT):
   """The prompt in calls of `chunk` tokens while at least `chunk` are left, then of `tail` (default chunk) tokens
   (a ring with a host tier needs chunk <= its window; long prompts also bound the activations). Returns (last
   logits [1, V], hidden [T, D], state)."""
@@ -172,7 +177,8 @@ def prefill_chunked(params, prompt: list[int], state: api.ModelState, cfg: Model
   tail = tail or chunk
   while a < len(prompt):
     c = chunk if len(prompt) - a >= chunk else tail
-    logits, h, state = api.prefill(params, jnp.asarray(prompt[a:a + c], jnp.int32), state, cfg=cfg, last_only=True)
+    logits, h, state = api.prefill(params, jnp.asarray(prompt[a:a + c], jnp.int32), state, cfg=cfg, options=options,
+                                   last_only=True)
     hs.append(h)
     a += c
   return logits, (hs[0] if len(hs) == 1 else jnp.concatenate(hs)), state
@@ -180,7 +186,7 @@ def prefill_chunked(params, prompt: list[int], state: api.ModelState, cfg: Model
 
 @dataclasses.dataclass
 class Started:
-  state: api.ModelState
+  state: ModelState
   logits: jax.Array       # [1, V] at the last prompt position
   hidden: jax.Array       # [T, D] after output_norm
   cap: int
@@ -289,7 +295,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   chunk = min(prefill_chunk(gen), cap - slack) if host else prefill_chunk(gen)      # cap - slack: the window
   key = hit = None
   if prefill_cache is not None and not gen.expert_slots:
-    key = (id(params), model.cfg, tuple(prompt), cap, slack, host, gen.kv, chunk)
+    key = (id(params), model.cfg, gen.options, tuple(prompt), cap, slack, host, gen.kv, chunk)
     hit = prefill_cache.get(key)                 # an entry keeps its params alive, so their id stays theirs
   # on a hit the tier comes from the entry: allocate none (a 139K tier is 6.9 GB of pinned memory, ~4 s on the H200)
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=None if hit else host,
@@ -301,7 +307,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
     return Started(state, logits, hidden, cap, grow=not fixed, reused_s=hit[1], setup_s=time.perf_counter() - t_in)
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
   t0 = time.perf_counter()
-  logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk, prefill_tail(chunk))
+  logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk, prefill_tail(chunk), gen.options)
   jax.block_until_ready(logits)                            # the caller waits for the first token right after
   prefill_s = time.perf_counter() - t0
   if key is not None:
@@ -310,7 +316,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
                  prefill_s=prefill_s)
 
 
-def cache_counts(state: api.ModelState) -> dict | None:
+def cache_counts(state: ModelState) -> dict | None:
   """Totals of the expert cache's counters so far (hits, misses, bytes_moved), or None without a cache: what
   generate takes after prefill so that cache_stats can split the request into its two phases."""
   if state.experts is None:
@@ -322,7 +328,7 @@ def _totals(st: dict) -> dict:
   return {k: sum(st[k]) for k in ("hits", "misses", "bytes_moved")}
 
 
-def cache_stats(state: api.ModelState, n_tokens: int, after_prefill: dict | None = None) -> dict | None:
+def cache_stats(state: ModelState, n_tokens: int, after_prefill: dict | None = None) -> dict | None:
   """The expert cache's counters per block over the whole request, and with `after_prefill` (cache_counts taken
   once the prompt ran) the two phases apart: "prefill" and "decode" totals with their hit rates, and
   "per_token" over the `n_tokens` generated tokens from the decode phase alone. Without it, per_token divides
@@ -394,7 +400,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     ids, t1 = [int(first)], time.perf_counter()
     token = first
     while len(ids) < n and ids[-1] != eos:
-      lg, _, state = api.decode_step(params, token, state, cfg=cfg)
+      lg, _, state = api.decode_step(params, token, state, cfg=cfg, options=gen.options)
       key, sub = jax.random.split(key)
       token = sample(lg, sub, gen.temperature, gen.top_p)
       ids.append(int(token))
@@ -404,7 +410,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
                    jnp.ones((), jnp.int32), first,
                    key, first == eos)
     ls = commit_for_store(ls, params, cfg)       # else the timed call after the compile call compiles again
-    kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p)
+    kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p, options=gen.options)
     ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # compile (zero iterations)
     jax.block_until_ready(ls)
     t1 = time.perf_counter()

@@ -75,6 +75,7 @@ def _prompt_ids(tok) -> list[int]:
 
 def run() -> dict:
   from decode.engine import GenConfig, RequestError, generate
+  from model.options import Options
   from decode.kv_plan import PlanError  # noqa: F401  (a ValueError: reported as one line below)
   from model.gguf_io import GGUFError
   from model.loader import default_model_path, load_model
@@ -89,13 +90,11 @@ def run() -> dict:
       store = store_memory_kind()
     model = load_model(path, FLAGS.cache_dir, expert_store=store)
     model.params = with_kernels(model.params, _kernels())
-    from ops import qgemm_pallas
-    qgemm_pallas.set_precision(FLAGS.prefill_precision)     # read at trace time
     ids = _prompt_ids(model.tokenizer)
     kvr = None if FLAGS.kv_resident == "auto" else _int_flag("kv_resident", FLAGS.kv_resident)
     gen = GenConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                     seed=FLAGS.seed, kv=FLAGS.kv, kv_resident=kvr, max_context=FLAGS.max_context,
-                    prefill_chunk=FLAGS.prefill_chunk)
+                    prefill_chunk=FLAGS.prefill_chunk, options=Options(prefill_precision=FLAGS.prefill_precision))
     drafter = _drafter(model.cfg)
     plan, slots = _plan(model, gen, len(ids), drafter)
     if slots is not None:

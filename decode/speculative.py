@@ -42,13 +42,15 @@ from decode.engine import (GenConfig, GenResult, RequestError, cache_counts, cac
                            new_tokens_sized, request_params, start_request)
 from decode.sampling import sample, target_probs
 from model import api
+from model.state import ModelState
 from model.config import ModelConfig
+from model.options import DEFAULT, Options
 from ops import on_gpu, qmatmul_pallas
 
 
 @struct.dataclass
 class SpecState:
-  model: api.ModelState
+  model: ModelState
   hist: jax.Array        # int32 [H]: prompt + generated tokens; hist[n_hist - 1] is the last token (not yet verified)
   n_hist: jax.Array
   n_prompt: jax.Array
@@ -66,14 +68,14 @@ def _probs(logits, temperature, top_p):
   return target_probs(logits, temperature, top_p)
 
 
-def _draft_mtp(params, s: SpecState, key, *, cfg, k, temperature, top_p):
+def _draft_mtp(params, s: SpecState, key, *, cfg, options, k, temperature, top_p):
   """k NextN drafts (and their proposal distributions when sampling)."""
   ring, ex = s.model.mtp_ring, s.model.experts
   P = s.model.ring.length
   J = ring.length
 
   def mtp(h, t, ring, ex):
-    return api.mtp_forward(params, h, t, ring, cfg=cfg, experts=ex)
+    return api.mtp_forward(params, h, t, ring, cfg=cfg, options=options, experts=ex)
 
   logits, h, ring, ex = mtp(s.pend_h, s.pend_t, ring, ex)
   ring = ring.rewind(J + s.n_pend)
@@ -128,14 +130,14 @@ def verify_sample(p_KV, q_kV, d_K, valid_K, key):
 
 
 def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int, drafter: str,
-               temperature: float, top_p: float) -> SpecState:
+               temperature: float, top_p: float, options: Options = DEFAULT) -> SpecState:
   P = s.model.ring.length
   tok = s.hist[s.n_hist - 1]
   key, k_draft, k_acc = jax.random.split(s.key, 3)
   model = s.model
   q = None
   if drafter == "mtp":
-    d, q, mtp_ring, ex = _draft_mtp(params, s, k_draft, cfg=cfg, k=k, temperature=temperature, top_p=top_p)
+    d, q, mtp_ring, ex = _draft_mtp(params, s, k_draft, cfg=cfg, options=options, k=k, temperature=temperature, top_p=top_p)
     model = model.replace(mtp_ring=mtp_ring, experts=ex)
   elif drafter == "lookup":
     d = drafters.lookup_draft(s.hist, s.n_hist, k)
@@ -146,14 +148,14 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
   valid = d >= 0
   d = jnp.where(valid, d, 0)
   # verify: the target on [t_P, d_1 .. d_k] at positions P .. P + k
-  verify = lambda m: api.forward(params, jnp.concatenate([tok[None], d]), m, cfg=cfg)  # noqa: E731
+  verify = lambda m: api.forward(params, jnp.concatenate([tok[None], d]), m, cfg=cfg, options=options)  # noqa: E731
   if drafter == "mtp":
     logits, hidden, model = verify(model)
   else:
     # a deterministic drafter may have nothing to propose (lookup without a match, replay past its end): then
     # the round is one plain step (T = 1), its outputs repeated to the round's shapes (only row 0 is read)
     def step(m):
-      lg, h, m = api.forward(params, tok[None], m, cfg=cfg)
+      lg, h, m = api.forward(params, tok[None], m, cfg=cfg, options=options)
       return jnp.broadcast_to(lg, (k + 1,) + lg.shape[1:]), jnp.broadcast_to(h, (k + 1,) + h.shape[1:]), m
     logits, hidden, model = jax.lax.cond(valid[0], verify, step, model)
   if temperature == 0.0:
@@ -178,15 +180,17 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
       rounds=s.rounds + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "k", "drafter", "temperature", "top_p"), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "drafter", "temperature", "top_p", "options"),
+                   donate_argnames=("s",))
 def spec_loop(params, s: SpecState, replay, eos_id, max_new, *, cfg: ModelConfig, k: int, drafter: str,
-              temperature: float, top_p: float) -> SpecState:
+              temperature: float, top_p: float, options: Options = DEFAULT) -> SpecState:
   """Rounds until max_new tokens are generated or EOS."""
   def cond(s):
     return ~s.done & (s.n_hist - s.n_prompt < max_new)
 
   def body(s):
-    return spec_round(params, s, replay, eos_id, cfg=cfg, k=k, drafter=drafter, temperature=temperature, top_p=top_p)
+    return spec_round(params, s, replay, eos_id, cfg=cfg, k=k, drafter=drafter, temperature=temperature, top_p=top_p,
+                      options=options)
 
   return jax.lax.while_loop(cond, body, s)
 
@@ -235,11 +239,12 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   pend_t = jnp.zeros((k + 1,), jnp.int32).at[0].set(first)
   if drafter == "mtp" and T > 1:
     if state.experts is None:
-      _, _, ring = api.mtp_step(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring, cfg=cfg)
+      _, _, ring = api.mtp_step(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring, cfg=cfg,
+                             options=gen.options)
       state = state.replace(mtp_ring=ring)
     else:
       _, _, ring, ex = api.mtp_forward(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring,
-                                       cfg=cfg, experts=state.experts)
+                                       cfg=cfg, options=gen.options, experts=state.experts)
       state = state.replace(mtp_ring=ring, experts=ex)
   first.block_until_ready()
   ttft = time.perf_counter() - t0 + (st.reused_s or 0.0)
@@ -255,7 +260,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
   eos = tok.eos_id if (gen.stop_at_eos and tok.eos_id is not None) else -1
   s = SpecState(state, hist, jnp.int32(T + 1), jnp.int32(T), pend_h, pend_t, jnp.int32(1), key,
                 jnp.asarray(int(first) == eos), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), jnp.int32(0))
-  kwargs = dict(cfg=cfg, k=k, drafter=drafter, temperature=gen.temperature, top_p=gen.top_p)
+  kwargs = dict(cfg=cfg, k=k, drafter=drafter, temperature=gen.temperature, top_p=gen.top_p, options=gen.options)
   s, replay = commit_for_store((s, replay), params, cfg)   # else the timed call after the compile call compiles again
   if eager:
     rnd = jax.jit(functools.partial(spec_round, **kwargs))

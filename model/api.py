@@ -1,8 +1,9 @@
 """Pure, jitted entry points of the model: `prefill`, `decode_step`, `mtp_step`.
 
-Each takes (params, inputs, state) and returns (logits, hidden, state); `cfg` and block sizes are static
-keyword arguments, the state is donated, the weights never are. `ModelState` holds the main KV ring and the
-NextN drafter's own ring; the position of the next token is `state.ring.length`.
+Each takes (params, inputs, state) and returns (logits, hidden, state); `cfg` (what the model is), `options`
+(how it runs: model.options.Options) and block sizes are static keyword arguments, the state
+(model.state.ModelState) is donated, the weights never are. The position of the next token is
+`state.ring.length`.
 
 >>> from configs.presets import TINY_QWEN3MOE as cfg
 >>> from model.transformer import Decoder
@@ -19,41 +20,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from model import host_tier
-from model.kv_ring import KVRing
 from model.config import ModelConfig
+from model.kv_ring import KVRing
+from model.options import DEFAULT, Options
+from model.state import ATTN_BLOCK, ModelState, init_state  # noqa: F401  (the api's state types)
 from model.transformer import Decoder, MTPBlock
 
-ATTN_BLOCK = 256
 # Float32 matmuls at full precision: XLA's default on GPUs is TF32, whose error (~1e-3 relative) differs between
 # a 1-row step and a (k+1)-row verify pass and flips near-tied routing decisions (docs/PERF.md, GPU probe).
 MATMUL_PRECISION = "highest"
-
-
-@struct.dataclass
-class ModelState:
-  ring: KVRing                    # main K/V ring (capacity R static)
-  mtp_ring: KVRing | None = None  # NextN drafter ring (capacity W static): entry j is the draft input at position j
-  experts: object | None = None   # model.expert_cache.ExpertCache (None: every expert resident)
-  host: object | None = None      # model.host_tier.HostTier: positions older than the ring's window
-
-
-def init_state(cfg: ModelConfig, capacity: int, kv: str = "bf16", mtp_window: int | None = None,
-               attn_block: int = ATTN_BLOCK, scratch: int = 0) -> ModelState:
-  """Empty state: a main ring of `capacity` slots and, for models with NextN blocks and an `mtp_window`, a
-  drafter ring that sees the last `mtp_window` entries (capacity: window + scratch, rounded up to a whole
-  attention block). `scratch` reserves slots for speculative overshoot (k + 1 for k drafts)."""
-  blk = min(attn_block, capacity)
-  ring = KVRing.create(cfg.n_layers, capacity, cfg.n_kv_heads, cfg.head_dim, kv, block=blk, scratch=scratch)
-  mtp = None
-  if cfg.n_nextn and mtp_window:
-    cap = mtp_window + scratch
-    mblk = min(attn_block, cap)
-    cap = -(-cap // mblk) * mblk
-    mtp = KVRing.create(cfg.n_nextn, cap, cfg.n_kv_heads, cfg.head_dim, kv, block=mblk, scratch=cap - mtp_window)
-  return ModelState(ring, mtp)
 
 
 def fuse_qkv(params: dict) -> dict:
@@ -87,12 +64,12 @@ def _block(ring: KVRing, attn_block: int) -> int:
   return min(attn_block, ring.capacity)
 
 
-def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only: bool = False,
-            attn_block: int = ATTN_BLOCK):
+def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, options: Options = DEFAULT,
+            last_only: bool = False, attn_block: int = ATTN_BLOCK):
   """Run the trunk on T new tokens at positions ring.length + [0, T): (logits, hidden, state).
 
   With a host tier, positions leaving the ring's window move to the tier before any layer writes, and each
-  layer's attention merges the ring's part with the tier's. With host_tier.SKIP_IDLE_TIER a pass in which no
+  layer's attention merges the ring's part with the tier's. With options.skip_idle_tier a pass in which no
   position has left the window yet (pos[-1] < window: the tier holds nothing visible) runs the ring-only trunk
   under one lax.cond instead: one predicate per pass rather than one dynamic-bound tier loop per layer."""
   ring = state.ring
@@ -100,22 +77,22 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only:
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   block = _block(ring, attn_block)
 
-  def trunk(ring, experts, host):
+  def trunk(ring, experts, tier):
     with jax.default_matmul_precision(MATMUL_PRECISION):
-      return Decoder(cfg).apply({"params": trunk_params(params)}, tokens_T, pos, ring, block, last_only, experts,
-                                host)
+      return Decoder(cfg, options).apply({"params": trunk_params(params)}, tokens_T, pos, ring, block, last_only,
+                                         experts, tier)
 
-  def with_tier(ring, experts, host):
-    host, ring = host_tier.evict_leaving(host, ring, pos)
-    return trunk(ring, experts, host)
+  def with_tier(ring, experts, tier):
+    tier, ring = host_tier.evict_leaving(tier, ring, pos)
+    return (*trunk(ring, experts, tier), tier)
 
-  def ring_only(ring, experts, host):
-    logits, hidden, ring, experts, _ = trunk(ring, experts, None)
-    return logits, hidden, ring, experts, host
+  def ring_only(ring, experts, tier):
+    return (*trunk(ring, experts, None), tier)
 
   if state.host is None:
-    logits, hidden, ring, experts, host = trunk(ring, state.experts, None)
-  elif host_tier.SKIP_IDLE_TIER:
+    logits, hidden, ring, experts = trunk(ring, state.experts, None)
+    host = None
+  elif options.skip_idle_tier:
     logits, hidden, ring, experts, host = jax.lax.cond(pos[-1] >= ring.window, with_tier, ring_only, ring,
                                                        state.experts, state.host)
   else:
@@ -123,36 +100,40 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only:
   return logits, hidden, state.replace(ring=ring.advance(tokens_T.shape[0]), experts=experts, host=host)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "last_only", "attn_block"), donate_argnames=("state",))
-def prefill(params, tokens_T, state: ModelState, *, cfg: ModelConfig, last_only: bool = False,
-            attn_block: int = ATTN_BLOCK):
+@functools.partial(jax.jit, static_argnames=("cfg", "options", "last_only", "attn_block"),
+                   donate_argnames=("state",))
+def prefill(params, tokens_T, state: ModelState, *, cfg: ModelConfig, options: Options = DEFAULT,
+            last_only: bool = False, attn_block: int = ATTN_BLOCK):
   """The prompt (or any T tokens) through the trunk; logits for every position unless last_only."""
-  return forward(params, tokens_T, state, cfg=cfg, last_only=last_only, attn_block=attn_block)
+  return forward(params, tokens_T, state, cfg=cfg, options=options, last_only=last_only, attn_block=attn_block)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_block"), donate_argnames=("state",))
-def decode_step(params, token, state: ModelState, *, cfg: ModelConfig, attn_block: int = ATTN_BLOCK):
+@functools.partial(jax.jit, static_argnames=("cfg", "options", "attn_block"), donate_argnames=("state",))
+def decode_step(params, token, state: ModelState, *, cfg: ModelConfig, options: Options = DEFAULT,
+                attn_block: int = ATTN_BLOCK):
   """One token: (logits [V], hidden [D], state)."""
-  logits, hidden, state = forward(params, jnp.reshape(token, (1,)), state, cfg=cfg, attn_block=attn_block)
+  logits, hidden, state = forward(params, jnp.reshape(token, (1,)), state, cfg=cfg, options=options,
+                                  attn_block=attn_block)
   return logits[0], hidden[0], state
 
 
-def mtp_forward(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConfig, j: int = 0,
-                attn_block: int = ATTN_BLOCK, experts=None):
+def mtp_forward(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConfig, options: Options = DEFAULT,
+                j: int = 0, attn_block: int = ATTN_BLOCK, experts=None):
   """NextN block j over T entries: entry i pairs the target hidden state at position p = mtp_ring.length + i
   with the token at p + 1, runs at RoPE position p + 1 and predicts the token at p + 2.
   Returns (logits [T, V], h [T, D] after shared_head_norm, ring advanced by T, expert cache or None)."""
   pos = mtp_ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   head = params.get("output", params["token_embd"])
   with jax.default_matmul_precision(MATMUL_PRECISION):
-    logits, h, ring, experts = MTPBlock(cfg, j).apply(
+    logits, h, ring, experts = MTPBlock(cfg, j, options).apply(
         {"params": params[f"mtp_{j}"]}, hidden_TD, tokens_T.astype(jnp.int32), pos, mtp_ring, params["token_embd"],
         head, _block(mtp_ring, attn_block), experts)
   return logits, h, ring.advance(tokens_T.shape[0]), experts
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "j", "attn_block"), donate_argnames=("mtp_ring",))
-def mtp_step(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConfig, j: int = 0,
-             attn_block: int = ATTN_BLOCK):
+@functools.partial(jax.jit, static_argnames=("cfg", "options", "j", "attn_block"), donate_argnames=("mtp_ring",))
+def mtp_step(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConfig, options: Options = DEFAULT,
+             j: int = 0, attn_block: int = ATTN_BLOCK):
   """Jitted `mtp_forward` without an expert cache: (logits, h, ring)."""
-  return mtp_forward(params, hidden_TD, tokens_T, mtp_ring, cfg=cfg, j=j, attn_block=attn_block)[:3]
+  return mtp_forward(params, hidden_TD, tokens_T, mtp_ring, cfg=cfg, options=options, j=j,
+                     attn_block=attn_block)[:3]

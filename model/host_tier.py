@@ -28,12 +28,6 @@ from model.kv_ring import KVRing, layer_arrays
 from ops.attention import in_host_memory
 
 HOST_BLOCK = 4096          # positions per block of attention over the tier (tier_block)
-# Skip the tier (its evict and its attention) under one lax.cond per forward pass while no position has left the
-# ring's window (model.api.forward). Without it every layer's tier attention runs a dynamic-bound loop even
-# when it has nothing to visit: on a GPU each such loop waits for its bound on the host, 48 waits per step of
-# the seed-mtp shape. Measured on the H200 (docs/PERF.md, "The seed experiment"): at depth 1K a step with a
-# tier took 6.0-6.4 ms without the skip, 4.72 ms with it, 4.69 ms without a tier. Tested on CPU both ways.
-SKIP_IDLE_TIER = True
 
 
 @struct.dataclass

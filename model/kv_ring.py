@@ -1,4 +1,5 @@
-"""`KVRing`: the main (and drafter) K/V cache as an explicit pytree whose capacity is static.
+"""`KVRing`: the main (and drafter) K/V cache as an explicit pytree whose capacity is static, and `KVLayer`,
+one attention layer's part of it as that layer's block receives and returns it.
 
 Position p lives in slot p mod R. K is stored after RoPE, so slot order never matters to attention. With
 `dtype="int8"` each (token, head) row is stored as int8 with an absmax scale (`k_scale`, `v_scale`).
@@ -78,6 +79,16 @@ class KVRing:
     """(k, v, k_scale, v_scale) of layer i."""
     return layer_arrays(self, i)
 
+  def cache(self, i: int, tier=None) -> "KVLayer":
+    """Layer i's part, as its block takes it: its slots, the ring's written length and, with a host tier
+    (model.host_tier.HostTier), the tier's rows of the same layer (read only)."""
+    return KVLayer(*self.layer(i), self.length, None if tier is None else tier.layer(i), self.capacity, self.dtype,
+                   self.scratch)
+
+  def with_cache(self, i: int, cache: "KVLayer") -> "KVRing":
+    """The ring with layer i's slots taken from the block's returned `cache`."""
+    return self.with_layer(i, cache.arrays)
+
   def with_layer(self, i: int, arrays) -> "KVRing":
     """The ring with layer i's (k, v, k_scale, v_scale) replaced (a kernel that wrote them in place)."""
     k, v, ks, vs = arrays
@@ -85,19 +96,10 @@ class KVRing:
                         k_scale=None if ks is None else _set(self.k_scale, i, ks),
                         v_scale=None if vs is None else _set(self.v_scale, i, vs))
 
-  def write(self, layer: int, pos_T: jax.Array, k_THD: jax.Array, v_THD: jax.Array) -> "KVRing":
+  def write(self, layer: int, pos_T: jax.Array, k_THkvDh: jax.Array, v_THkvDh: jax.Array) -> "KVRing":
     """Store T new rows of one layer at positions pos_T (slots pos mod R). Does not advance `length`."""
-    slots = pos_T % self.capacity
-    if self.dtype == "int8":
-      kq, ks = quantize_int8(k_THD)
-      vq, vs = quantize_int8(v_THD)
-      return self.replace(k=_set(self.k, layer, self.k[layer].at[slots].set(kq)),
-                          v=_set(self.v, layer, self.v[layer].at[slots].set(vq)),
-                          k_scale=_set(self.k_scale, layer, self.k_scale[layer].at[slots].set(ks)),
-                          v_scale=_set(self.v_scale, layer, self.v_scale[layer].at[slots].set(vs)))
-    dt = _STORE[self.dtype]
-    return self.replace(k=_set(self.k, layer, self.k[layer].at[slots].set(k_THD.astype(dt))),
-                        v=_set(self.v, layer, self.v[layer].at[slots].set(v_THD.astype(dt))))
+    return self.with_layer(layer, write_rows(self.layer(layer), pos_T % self.capacity, k_THkvDh, v_THkvDh,
+                                             self.dtype))
 
   def grow(self, capacity: int) -> "KVRing":
     """The same live positions in a larger ring (the next bucket): slot p mod R moves to slot p mod R'."""
@@ -124,9 +126,51 @@ class KVRing:
     return self.replace(length=jnp.asarray(length, jnp.int32))
 
 
-def quantize_int8(x_THD: jax.Array) -> tuple[jax.Array, jax.Array]:
+@struct.dataclass
+class KVLayer:
+  """One attention layer's K/V state as its block receives and returns it (`KVRing.cache` / `with_cache`)."""
+  k: jax.Array                  # [R, Hkv, Dh]
+  v: jax.Array
+  k_scale: jax.Array | None     # [R, Hkv] float32 (int8 only)
+  v_scale: jax.Array | None
+  length: jax.Array             # positions the ring held before this pass
+  tier: tuple | None            # the host tier's (k, v, k_scale, v_scale) of this layer, or None (read only)
+  capacity: int = struct.field(pytree_node=False)
+  dtype: str = struct.field(pytree_node=False)
+  scratch: int = struct.field(pytree_node=False, default=0)
+
+  @property
+  def window(self) -> int:
+    return self.capacity - self.scratch
+
+  @property
+  def arrays(self) -> tuple:
+    """(k, v, k_scale, v_scale)."""
+    return self.k, self.v, self.k_scale, self.v_scale
+
+  def with_arrays(self, arrays) -> "KVLayer":
+    k, v, ks, vs = arrays
+    return self.replace(k=k, v=v, k_scale=ks, v_scale=vs)
+
+  def write(self, pos_T: jax.Array, k_THkvDh: jax.Array, v_THkvDh: jax.Array) -> "KVLayer":
+    """Store T new rows at positions pos_T (slots pos mod R)."""
+    return self.with_arrays(write_rows(self.arrays, pos_T % self.capacity, k_THkvDh, v_THkvDh, self.dtype))
+
+
+def write_rows(arrays, slots_T, k_THkvDh, v_THkvDh, dtype: str):
+  """(k, v, k_scale, v_scale) with T rows written at `slots_T` (int8: quantized with an absmax per row)."""
+  k, v, ks, vs = arrays
+  if dtype == "int8":
+    kq, kss = quantize_int8(k_THkvDh)
+    vq, vss = quantize_int8(v_THkvDh)
+    return k.at[slots_T].set(kq), v.at[slots_T].set(vq), ks.at[slots_T].set(kss), vs.at[slots_T].set(vss)
+  dt = _STORE[dtype]
+  return k.at[slots_T].set(k_THkvDh.astype(dt)), v.at[slots_T].set(v_THkvDh.astype(dt)), ks, vs
+
+
+def quantize_int8(x_THkvDh: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Absmax per (token, head): q = round(x / s), s = max|x| / 127."""
-  x = x_THD.astype(jnp.float32)
+  x = x_THkvDh.astype(jnp.float32)
   s = jnp.max(jnp.abs(x), axis=-1) / 127.0
   q = jnp.round(x / jnp.where(s > 0, s, 1.0)[..., None])
   return jnp.clip(q, -127, 127).astype(jnp.int8), s

@@ -118,9 +118,20 @@ def test_rejection_sampling_has_the_target_distribution(k):
 
 
 def test_sampled_mtp_runs_and_respects_the_budget():
-  r = speculative_generate(_model(), _prompt(), drafter="mtp", k=2, max_new_tokens=20, stop_at_eos=False,
-                           kv="bf16", kv_resident=1024, temperature=0.8, top_p=0.9, seed=5)
+  """The sampled NextN path end to end (drafts sampled from the drafter's distribution, rejection-sampling
+  verification): exactly max_new_tokens in the vocab, and the same tokens for the same seed. With a nucleus so
+  small that it keeps only the top token (top_p 1e-6), target and drafter distributions are one-hot at their
+  argmax, so the sampled path must emit exactly plain greedy decoding's tokens and accept a draft exactly when it
+  is the target's argmax: the same acceptance count as greedy speculative decoding."""
+  kw = dict(drafter="mtp", k=2, max_new_tokens=20, stop_at_eos=False, kv="bf16", kv_resident=1024)
+  r = speculative_generate(_model(), _prompt(), temperature=0.8, top_p=0.9, seed=5, **kw)
   assert len(r.ids) == 20 and all(0 <= t < _model().cfg.vocab_size for t in r.ids)
+  assert speculative_generate(_model(), _prompt(), temperature=0.8, top_p=0.9, seed=5, **kw).ids == r.ids
+  nucleus = speculative_generate(_model(), _prompt(), temperature=0.8, top_p=1e-6, seed=5, **kw)
+  greedy = speculative_generate(_model(), _prompt(), **kw)
+  plain = generate(_model(), _prompt(), max_new_tokens=20, stop_at_eos=False, kv="bf16", kv_resident=1024).ids
+  assert nucleus.ids == greedy.ids == plain
+  assert nucleus.stats["drafts_accepted"] == greedy.stats["drafts_accepted"]
 
 
 @pytest.mark.parametrize("drafter,skip_idle", [("mtp", False), ("lookup", True)])
@@ -128,13 +139,11 @@ def test_greedy_speculative_with_a_host_tier_equals_plain_greedy(drafter, skip_i
   """A ring of 256 under max_context 1024 (the seed experiment's setting in small): a 600-token prompt and
   verify passes that move positions into the host tier as they leave the window; the tokens of plain greedy
   decoding on one ring that holds everything, and the same acceptance as speculative decoding on that ring."""
-  from model import host_tier
-  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip_idle)   # read at trace time: drop compiled steps
-  jax.clear_caches()
-  request.addfinalizer(jax.clear_caches)
+  from model.options import Options
   prompt = _prompt(600, seed=4)
   plain = generate(_model(), prompt, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", kv_resident=2048).ids
-  kw = dict(drafter=drafter, k=3, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", mtp_window=256)
+  kw = dict(drafter=drafter, k=3, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", mtp_window=256,
+            options=Options(skip_idle_tier=skip_idle))
   tier = speculative_generate(_model(), prompt, kv_resident=256, max_context=1024, **kw)
   big = speculative_generate(_model(), prompt, kv_resident=2048, **kw)
   assert tier.ids == plain

@@ -11,6 +11,7 @@ import pytest
 
 from decode import engine
 from decode.engine import generate
+from model.options import Options
 from model.kv_ring import KVRing
 from model import api
 from model.loader import load_model
@@ -146,7 +147,7 @@ def test_host_tier_wrapping_ring_equals_full_cache(kv):
     assert (st.state.host is None) == (gen.kv_resident == 2048)
     out, state = [np.asarray(st.logits)], st.state
     for t in big.ids[:8]:
-      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg)
+      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg, options=opts)
       out.append(np.asarray(l)[None])
     logits.append(np.concatenate(out))
   err = llama_ref.rel_l2(logits[1], logits[0])
@@ -176,11 +177,9 @@ def test_host_tier_beside_the_attention_kernels_equals_full_cache(kernel, monkey
       (lambda T: "interpret")
   monkeypatch.setattr(attention, "default_impl", impl)
   monkeypatch.setattr(module, name, counted)
-  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", False)    # only the tier's path traced (no ring-only branch)
-  jax.clear_caches()
-  request.addfinalizer(jax.clear_caches)
   m = _model()
   n, kw = (300, dict(max_new_tokens=16)) if kernel == "decode" else (400, dict(max_new_tokens=8, prefill_chunk=100))
+  kw["options"] = Options(skip_idle_tier=False)              # only the tier's path traced (no ring-only branch)
   prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1024, n)]
   big = generate(m, prompt, stop_at_eos=False, kv="int8", kv_resident=1024, **kw)
   assert calls and not any(calls)
@@ -194,17 +193,16 @@ def test_host_tier_beside_the_attention_kernels_equals_full_cache(kernel, monkey
 def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_idle):
   """The tier placed in pinned_host memory (as on a GPU; jax's CPU client has the kind) runs the jitted steps
   through host-memory slices and updates only, and gives the same tokens and bitwise the same logits as the
-  tier in device memory; with and without the idle-evict cond (host_tier.SKIP_IDLE_TIER)."""
+  tier in device memory; with and without the idle-evict cond (Options.skip_idle_tier)."""
   from model import host_tier
   from decode.engine import GenConfig, start_request
-  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip_idle)   # read at trace time: drop compiled steps
-  jax.clear_caches()
-  request.addfinalizer(jax.clear_caches)
   m = _model()
   prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1024, 600)]
-  gen = GenConfig(max_new_tokens=8, kv="int8", kv_resident=256, max_context=1024)
+  opts = Options(skip_idle_tier=skip_idle)
+  gen = GenConfig(max_new_tokens=8, kv="int8", kv_resident=256, max_context=1024, options=opts)
   dev = start_request(m, prompt, gen)
-  base = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  base = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
+                  options=opts)
   place = host_tier.place_on_host
   monkeypatch.setattr(host_tier, "place_on_host", lambda t: place(t, memory_kind="pinned_host"))
   n_prefill = api.prefill._cache_size()
@@ -217,7 +215,8 @@ def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_
   for a, b in zip(host.state.host.k + host.state.host.v, dev.state.host.k + dev.state.host.v):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   n_loop = engine.decode_loop._cache_size()
-  got = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  got = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
+                 options=opts)
   assert got.ids == base.ids
   assert engine.decode_loop._cache_size() - n_loop <= 1
 
@@ -237,60 +236,56 @@ def test_host_tier_steps_never_copy_the_ring(drafter, skip_idle, monkeypatch, re
   those reads unordered against the writes, XLA copied every layer's ring in each step (in a lookup round: in
   the loop body and again in each branch of its draftless `lax.cond`), a cost proportional to the capacity R
   at any depth, the seed report's shape (a larger ring slower at 1K). `host_tier.evict_leaving` orders them
-  with an optimization barrier; with SKIP_IDLE_TIER the trunk runs under a cond whose two branches must not
+  with an optimization barrier; with Options.skip_idle_tier the trunk runs under a cond whose two branches must not
   copy it either. Checked on the XLA CPU compiler."""
   from bench import cells as bench
-  from model import host_tier
   from decode import speculative as sp
   from decode.engine import GenConfig, start_request
-  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip_idle)   # read at trace time: drop compiled steps
-  jax.clear_caches()
-  request.addfinalizer(jax.clear_caches)
+  opts = Options(skip_idle_tier=skip_idle)
   m = bench._in_memory_model("tiny-glm4moe", "IQ3_S")
   k, prompt = 3, list(range(1, 40))
   gen = GenConfig(kv="int8", kv_resident=1024, max_new_tokens=16, max_context=8192)
   st = start_request(m, prompt, gen, k=0 if drafter == "plain" else k, mtp_window=256 if drafter == "mtp" else None)
   assert st.state.host is not None and st.state.ring.capacity == 1024
   if drafter == "plain":
-    lowered = api.decode_step.lower(m.params, jnp.int32(1), st.state, cfg=m.cfg)
+    lowered = api.decode_step.lower(m.params, jnp.int32(1), st.state, cfg=m.cfg, options=opts)
   else:
     H, z = 128, jnp.zeros((k,), jnp.int32)
     s = sp.SpecState(st.state, jnp.zeros((H,), jnp.int32), jnp.int32(40), jnp.int32(39),
                      jnp.zeros((k + 1, m.cfg.d_model)), jnp.zeros((k + 1,), jnp.int32), jnp.int32(1),
                      jax.random.PRNGKey(0), jnp.asarray(False), z, z, jnp.int32(0))
     lowered = sp.spec_loop.lower(m.params, s, jnp.full((H,), -1, jnp.int32), jnp.int32(-1), jnp.int32(16),
-                                 cfg=m.cfg, k=k, drafter=drafter, temperature=0.0, top_p=1.0)
+                                 cfg=m.cfg, k=k, drafter=drafter, temperature=0.0, top_p=1.0, options=opts)
   assert _ring_copies(lowered.compile().as_text(), st.state.ring) == 0
 
 
 def test_idle_tier_skip_crosses_the_window_exactly(monkeypatch, request):
-  """host_tier.SKIP_IDLE_TIER: a prompt shorter than the ring's window runs the ring-only trunk (one cond per
+  """Options.skip_idle_tier: a prompt shorter than the ring's window runs the ring-only trunk (one cond per
   pass) until generation moves positions out of the window, then the tier's path. Same greedy tokens as one ring
   holding everything, and the same logits as without the skip (the skipped tier partial is empty: merging it
   changes nothing)."""
-  from model import host_tier
   from decode.engine import GenConfig, start_request
-  request.addfinalizer(jax.clear_caches)
   m = _model()
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 200)]
   big = generate(m, prompt, max_new_tokens=90, stop_at_eos=False, kv="int8", kv_resident=2048)
   logits = {}
   for skip in (False, True):
-    monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip)
-    jax.clear_caches()
-    got = generate(m, prompt, max_new_tokens=90, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+    opts = Options(skip_idle_tier=skip)
+    got = generate(m, prompt, max_new_tokens=90, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
+                   options=opts)
     assert got.ids == big.ids, f"skip={skip}"
-    st = start_request(m, prompt, GenConfig(max_new_tokens=90, kv="int8", kv_resident=256, max_context=1024))
+    st = start_request(m, prompt, GenConfig(max_new_tokens=90, kv="int8", kv_resident=256, max_context=1024,
+                                            options=opts))
     out, state = [], st.state
     for t in big.ids[:70]:                    # positions 200 .. 269 cross the window (256) at step 56
-      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg)
+      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg, options=opts)
       out.append(np.asarray(l))
     logits[skip] = np.stack(out)
   np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)
 
 
 def test_idle_tier_skip_runs_no_tier_work_while_idle(monkeypatch, request):
-  """host_tier.SKIP_IDLE_TIER, counted at run time (a jax.debug.callback inside the tier's path, which executes
+  """Options.skip_idle_tier, counted at run time (a jax.debug.callback inside the tier's path, which executes
   only when its branch runs): a request whose positions stay inside the ring's window runs the tier's path in no
   pass with the skip and in every pass without it; a request that crosses the window runs it exactly in the
   passes whose last position has left the window."""
@@ -310,14 +305,10 @@ def test_idle_tier_skip_runs_no_tier_work_while_idle(monkeypatch, request):
   window = start_request(m, [1], GenConfig(max_new_tokens=1, **kw)).state.ring.window
   prompt = [int(t) for t in np.random.default_rng(6).integers(0, 1024, 100)]
   for skip, expect in ((True, 0), (False, 1 + 19)):        # one prefill pass, then 19 decode steps
-    monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", skip)
-    jax.clear_caches()
     runs.clear()
-    generate(m, prompt, max_new_tokens=20, **kw)
+    generate(m, prompt, max_new_tokens=20, options=Options(skip_idle_tier=skip), **kw)
     jax.effects_barrier()
     assert len(runs) == expect, (skip, runs)
-  monkeypatch.setattr(host_tier, "SKIP_IDLE_TIER", True)
-  jax.clear_caches()
   runs.clear()
   long = [int(t) for t in np.random.default_rng(7).integers(0, 1024, window - 10)]   # ends 10 before the edge
   generate(m, long, max_new_tokens=30, **kw)              # steps write positions window - 10 .. window + 18

@@ -1,0 +1,42 @@
+"""`Options`: how the model runs, beside `ModelConfig` (what the model is).
+
+Frozen and hashable: a static argument of every jitted entry (`model.api`), so an A/B of any choice here traces
+and compiles each side on its own, with nothing to clear between them.
+
+>>> Options().glue, Options(glue=False) == Options(glue=False)
+(True, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+PREFILL_PRECISIONS = ("auto", "f32", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  # Decode and verify passes (T <= 16) run the per-token Pallas glue kernels (RMSNorm with the residual add,
+  # routing, q/k norm + RoPE + ring write) whenever the block's quantized matmuls run Pallas kernels: fewer
+  # launches, and every token's row computed the same way whatever T is, so a verify pass reproduces the plain
+  # steps bitwise on the GPU (DESIGN invariant 3). False: the jnp ops.
+  glue: bool = True
+  # With a host tier: a pass in which no position has left the ring's window runs the ring-only trunk under one
+  # lax.cond (one predicate per pass instead of one dynamic-bound tier loop per layer; docs/PERF.md "The seed
+  # experiment"). False: every pass runs the tier's evict and attention.
+  skip_idle_tier: bool = True
+  # Operands of the prefill GEMMs: "f32" (three bf16 MMAs, float32-accurate), "bf16" (one MMA), "auto" (bf16 on a
+  # GPU, f32 elsewhere). Decode and verify passes always run float32.
+  prefill_precision: str = "auto"
+  # Per-kernel tuning (ops.tuning.Tunings; None: every kernel's table default).
+  tunings: object | None = None
+
+  def __post_init__(self):
+    if self.prefill_precision not in PREFILL_PRECISIONS:
+      raise ValueError(f"Options: prefill_precision {self.prefill_precision!r}, expected one of "
+                       f"{', '.join(PREFILL_PRECISIONS)}")
+
+  def replace(self, **kw) -> "Options":
+    return dataclasses.replace(self, **kw)
+
+
+DEFAULT = Options()
