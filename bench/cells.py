@@ -455,7 +455,8 @@ def main(argv):
     return
   from tqdm import tqdm
 
-  from model.loader import default_model_path, load_model
+  from configs.default import default_model_path
+  from model.loader import load_model
   from ops.qtensor import with_kernels
   path = FLAGS.gguf
   if path is None and FLAGS.preset and FLAGS.in_memory:

@@ -1,7 +1,8 @@
 """The plain decode loop: prefill, then a jitted `lax.while_loop` of `decode_step` over a static-size output
 buffer with a dynamic bound (stops at max_new_tokens or EOS), plus an eager loop for debugging.
 
->>> from model.loader import load_model, default_model_path
+>>> from configs.default import default_model_path
+>>> from model.loader import load_model
 >>> m = load_model(default_model_path())
 >>> r = generate(m, m.tokenizer.encode("def"), max_new_tokens=4)
 >>> len(r.ids)

@@ -78,7 +78,8 @@ def run() -> dict:
   from model.options import Options
   from decode.kv_plan import PlanError  # noqa: F401  (a ValueError: reported as one line below)
   from model.gguf_io import GGUFError
-  from model.loader import default_model_path, load_model
+  from configs.default import default_model_path
+  from model.loader import load_model
   from ops.qtensor import with_kernels
   try:
     path = FLAGS.gguf or default_model_path()
@@ -113,7 +114,8 @@ def run() -> dict:
       res = speculative_generate(model, ids, gen, drafter=drafter, k=FLAGS.mtp_draft, mtp_window=FLAGS.mtp_window,
                                  replay_ids=replay, eager=FLAGS.eager)
     res.stats["plan"] = plan.to_json()
-    res.stats["prefill_gemm"] = qgemm_pallas.prefill_gemm(_kernels())
+    from ops import qgemm_pallas
+    res.stats["prefill_gemm"] = qgemm_pallas.prefill_gemm(_kernels(), gen.options.prefill_precision)
   except (GGUFError, RequestError, CLIError, ValueError) as e:
     print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
     sys.exit(1)

@@ -16,7 +16,8 @@ Depth i > 1 reuses the block on its own output hidden state; those speculative e
 rewinding the drafter ring to P.
 
 >>> from decode.engine import generate
->>> from model.loader import default_model_path, load_model
+>>> from configs.default import default_model_path
+>>> from model.loader import load_model
 >>> m = load_model(default_model_path())
 >>> p = m.tokenizer.encode("def")
 >>> r = speculative_generate(m, p, drafter="mtp", k=2, max_new_tokens=12)

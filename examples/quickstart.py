@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))) i
 from decode.engine import generate
 from decode.kv_plan import plan_request
 from decode.speculative import speculative_generate
-from model.loader import default_model_path, load_model
+from configs.default import default_model_path
+from model.loader import load_model
 
 model = load_model(default_model_path())
 print(model.cfg)

@@ -37,6 +37,7 @@ def load_model(path: str, cache_dir: str | None = None, expert_store: str | None
   (the expert cache's case: a model larger than the device); from the orbax cache after the restore.
   Attention's q, k and v weights are fused into one (model.api.fuse_qkv); the cache stores them as in the file.
 
+  >>> from configs.default import default_model_path
   >>> m = load_model(default_model_path())
   >>> m.cfg.arch, m.cfg.n_nextn
   ('glm4moe', 1)
@@ -62,19 +63,3 @@ def load_model(path: str, cache_dir: str | None = None, expert_store: str | None
   if cache_dir:
     checkpoint.save(checkpoint.entry_dir(path, cache_dir), cfg, params, _tokenizer_md(f.md))
   return LoadedModel(cfg, fuse_qkv(params), tok, path, False, time.perf_counter() - t0)
-
-
-def default_model_path() -> str:
-  """The embedded default model: configs/data/default.gguf when shipped, else a tiny random glm4moe+NextN
-  file our writer makes once (under ~/.cache/moejax)."""
-  here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "data", "default.gguf")
-  if os.path.isfile(here):
-    return here
-  out = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "tiny-glm4moe-f16.gguf")
-  if not os.path.isfile(out):
-    from configs.presets import TINY_GLM4MOE
-    from model.writer import write_gguf
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    write_gguf(out + ".tmp", TINY_GLM4MOE, seed=0, name="tiny-glm4moe (random weights)")
-    os.replace(out + ".tmp", out)
-  return out

@@ -9,8 +9,19 @@ and compiles each side on its own, with nothing to clear between them.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 PREFILL_PRECISIONS = ("auto", "f32", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOps:
+  """Stand-ins for three of the model's layer functions, passed in by a caller that needs other maths under the
+  same modules and params (the training script, tools/train_default.py: bf16 operands, capacity-limited experts,
+  packed sequences). Each None keeps the model's own."""
+  linear: Callable | None = None             # (x, w, b=None) -> y: ops.layers.linear
+  moe: Callable | None = None                # (x_TD, ids_TX, w_TX, gate, up, down) -> y_TD: ops.moe.moe
+  causal_attention: Callable | None = None   # (q_THDh, k_THkvDh, v_THkvDh, scale) -> o_THDh: cache-free attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +40,8 @@ class Options:
   prefill_precision: str = "auto"
   # Per-kernel tuning (ops.tuning.Tunings; None: every kernel's table default).
   tunings: object | None = None
+  # Stand-ins for layer functions (LayerOps; None: the model's own). Inference never sets it.
+  layer_ops: LayerOps | None = None
 
   def __post_init__(self):
     if self.prefill_precision not in PREFILL_PRECISIONS:

@@ -32,7 +32,7 @@ from ops import moe as moe_ops
 from ops import rope_write_pallas, router_pallas
 from ops.rmsnorm_pallas import add_rms_norm
 from ops.layers import linear, rms_norm, rope_neox, swiglu
-from ops.qtensor import QTensor, as_dense
+from ops.qtensor import QTensor
 
 _init = nn.initializers.normal(0.02)
 _ones = nn.initializers.ones
@@ -45,6 +45,12 @@ def _param(m: nn.Module, name: str, init, shape):
   if m.has_variable("params", name):
     return m.get_variable("params", name)
   return m.param(name, init, shape)
+
+
+def _op(opts: Options, name: str, own):
+  """The model's layer function `own`, or the caller's stand-in for it (opts.layer_ops)."""
+  alt = getattr(opts.layer_ops, name) if opts.layer_ops is not None else None
+  return alt or own
 
 
 def _causal_attention(q_THDh, k_THkvDh, v_THkvDh, scale):
@@ -98,13 +104,13 @@ class Attention(nn.Module):
     q = rope_neox(q, pos_T + self.rope_offset, c.rope_dim, c.rope_theta)
     k = rope_neox(k, pos_T + self.rope_offset, c.rope_dim, c.rope_theta)
     if cache is None:
-      o = _causal_attention(q, k, v.astype(jnp.float32), 1.0 / float(Dh) ** 0.5)
+      o = _op(self.opts, "causal_attention", _causal_attention)(q, k, v.astype(jnp.float32), 1.0 / float(Dh) ** 0.5)
       return None, self._linear(o.reshape(T, H * Dh), wo)
     cache = cache.write(pos_T, k, v)
     return cache, self._attend(q, pos_T, cache, attn_block, wo)
 
   def _linear(self, x, w, b=None):
-    return linear(x, w, b)
+    return _op(self.opts, "linear", linear)(x, w, b)
 
   def _fused_qkv(self, x_TD):
     return self._linear(x_TD, self.get_variable("params", "wqkv"),
@@ -171,7 +177,8 @@ class DenseMLP(nn.Module):
     gate = _param(self, "gate", _init, (F, D))
     up = _param(self, "up", _init, (F, D))
     down = _param(self, "down", _init, (D, F))
-    return linear(swiglu(linear(x_TD, gate), linear(x_TD, up)), down)
+    lin = _op(self.opts, "linear", linear)
+    return lin(swiglu(lin(x_TD, gate), lin(x_TD, up)), down)
 
 
 class MoE(nn.Module):
@@ -195,9 +202,10 @@ class MoE(nn.Module):
     up = _param(self, "up_exps", _init, (E, F, D))
     down = _param(self, "down_exps", _init, (E, D, F))
     bias = _param(self, "router_bias", _zeros, (E,)) if c.routing != "softmax" else None
+    lin, moe = _op(self.opts, "linear", linear), _op(self.opts, "moe", moe_ops.moe)
     ids_TX, w_TX = router_pallas.route(x_TD, router, bias, routing=c.routing, top_k=c.top_k, norm_topk=c.norm_topk,
                                        routed_scale=c.routed_scale, impl=self.glue,
-                                       logits_fn=lambda x: linear(x, router))
+                                       logits_fn=lambda x: lin(x, router))
     T, X = ids_TX.shape
     if experts is None or T * X > E:
       # The direct path reads every expert of the block (no cache, or a step routing more (token, expert) pairs
@@ -207,7 +215,7 @@ class MoE(nn.Module):
       # buffer of one block's experts, which XLA may overlap with its neighbours'), the cost a host store implies.
       # A no-op when the experts are on the device.
       gate, up, down = (xc.to_device(t) for t in (gate, up, down))
-      y = moe_ops.moe(x_TD, ids_TX, w_TX, gate, up, down)
+      y = moe(x_TD, ids_TX, w_TX, gate, up, down)
     else:
       y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E)
     if c.n_shared_experts or c.shared_expert_gate:
@@ -215,7 +223,7 @@ class MoE(nn.Module):
       gs = _param(self, "gate_shexp", _init, (Fs, D))
       us = _param(self, "up_shexp", _init, (Fs, D))
       ds = _param(self, "down_shexp", _init, (D, Fs))
-      ys = linear(swiglu(linear(x_TD, gs), linear(x_TD, us)), ds)
+      ys = lin(swiglu(lin(x_TD, gs), lin(x_TD, us)), ds)
       if c.shared_expert_gate:
         g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe: one gate logit per token
         ys = ys * jax.nn.sigmoid(x_TD.astype(jnp.float32) @ g.astype(jnp.float32))[:, None]
@@ -299,7 +307,7 @@ class Decoder(nn.Module):
     head = embed if c.tied_embeddings else _param(self, "output", _init, (c.vocab_size, c.d_model))
     hidden = add_rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps,
                           impl=glue_impl(head, self.opts))
-    logits = linear(hidden[-1:] if last_only else hidden, head)
+    logits = _op(self.opts, "linear", linear)(hidden[-1:] if last_only else hidden, head)
     return logits, hidden, ring, experts
 
 
@@ -323,7 +331,8 @@ class MTPBlock(nn.Module):
     emb_tbl = self.get_variable("params", "embed_tokens") if self.has_variable("params", "embed_tokens") else embed
     e = rms_norm(_embed(emb_tbl, tokens_T), _param(self, "enorm", _ones, (D,)), c.rms_eps)
     hh = rms_norm(hidden_TD, _param(self, "hnorm", _ones, (D,)), c.rms_eps)
-    x = linear(jnp.concatenate([e, hh], axis=-1), _param(self, "eh_proj", _init, (D, 2 * D)))
+    lin = _op(self.opts, "linear", linear)
+    x = lin(jnp.concatenate([e, hh], axis=-1), _param(self, "eh_proj", _init, (D, 2 * D)))
     cache = None if ring is None else ring.cache(self.j)
     cache, experts, x = Block(c, c.n_layers + self.j, self.opts, 1, attn_block, name="blk")(x, pos_T, cache, experts)
     if ring is not None:
@@ -331,4 +340,4 @@ class MTPBlock(nn.Module):
     h = rms_norm(x, _param(self, "shared_head_norm", _ones, (D,)), c.rms_eps)
     if self.has_variable("params", "shared_head_head"):
       head = self.get_variable("params", "shared_head_head")
-    return linear(h, head), h, ring, experts
+    return lin(h, head), h, ring, experts

@@ -12,7 +12,8 @@ joined with `<|endoftext|>`. The pydoc token stream is cut into 4096-token chunk
 Model (`DEFAULT_CFG`): glm4moe, vocab 1024 (configs/data/vocab_1024.json), a dense first block, sigmoid-routed
 top-2 experts plus one shared expert, partial rotary, and one NextN block. Training applies the project's own
 `Decoder` and `MTPBlock` (plain causal attention, `ring=None`), so the params are in exactly the tree the GGUF
-loader produces. Inside `training_modules` three functions they call are swapped, for speed only: the B
+loader produces. `training_context` hands them three stand-in layer functions (`model.options.LayerOps`, passed
+in `Options`; nothing in the model is reassigned), for speed only: the B
 sequences of a batch run as one token axis with attention causal inside each sequence; the routed experts
 run only on the tokens routed to them (capacity `--capacity` x the mean load; `_capacity_moe`), which also
 reports each expert's load, from which the glm4moe selection bias (`exp_probs_b`) is nudged towards balance
@@ -209,28 +210,23 @@ def _linear(dot_dtype):
 class TrainContext:
   seq_len: int = 0                                  # set by `losses` while tracing
   moe_stats: list = dataclasses.field(default_factory=list)
+  options: object = None                            # model.options.Options with the training layer functions
 
 
 @contextlib.contextmanager
-def training_modules(capacity: float, bf16: bool = False):
-  """Within: the routed experts run through `_capacity_moe`, attention is causal per sequence of the
-  token axis (`losses` lays B sequences end to end), and with bf16 every matmul takes bfloat16 operands
-  (float32 accumulation, float32 params): model.transformer's modules and params are unchanged.
-  Yields the `TrainContext`. Jit traces made inside see all this; nothing changes outside."""
+def training_context(capacity: float, bf16: bool = False):
+  """Yields a `TrainContext` whose `options` give the model's modules training stand-ins
+  (`model.options.LayerOps`): the routed experts run through `_capacity_moe`, attention is causal per sequence
+  of the token axis (`losses` lays B sequences end to end), and with bf16 every matmul takes bfloat16 operands
+  (float32 accumulation, float32 params). The modules and params are the model's own."""
   import jax.numpy as jnp
 
-  import model.transformer as tr
-  from ops import moe as moe_ops
+  from model.options import LayerOps, Options
   dt = jnp.bfloat16 if bf16 else jnp.float32
   ctx = TrainContext()
-  orig = moe_ops.moe, tr._causal_attention, tr.linear
-  moe_ops.moe = _capacity_moe(capacity, ctx.moe_stats, dt)
-  tr._causal_attention = _segment_attention(ctx, dt)
-  tr.linear = _linear(dt)
-  try:
-    yield ctx
-  finally:
-    moe_ops.moe, tr._causal_attention, tr.linear = orig
+  ctx.options = Options(layer_ops=LayerOps(linear=_linear(dt), moe=_capacity_moe(capacity, ctx.moe_stats, dt),
+                                           causal_attention=_segment_attention(ctx, dt)))
+  yield ctx
 
 
 def init_params(cfg: ModelConfig, seed: int) -> dict:
@@ -255,7 +251,7 @@ def init_params(cfg: ModelConfig, seed: int) -> dict:
 
 
 def losses(params, wins, cfg: ModelConfig, mtp_stop_grad: bool, ctx: TrainContext):
-  """Windows [B, T + 2], run as one token axis of B*T (inside `training_modules`): per-position main CE [B, T],
+  """Windows [B, T + 2], run as one token axis of B*T (with `training_context`'s options): per-position main CE [B, T],
   MTP CE [B, T], k=1 agreement [B, T-1]."""
   import jax
   import jax.numpy as jnp
@@ -265,9 +261,9 @@ def losses(params, wins, cfg: ModelConfig, mtp_stop_grad: bool, ctx: TrainContex
   ctx.seq_len = T
   pos = jnp.tile(jnp.arange(T, dtype=jnp.int32), B)
   trunk = {k: v for k, v in params.items() if not k.startswith("mtp_")}
-  logits, hidden = Decoder(cfg).apply({"params": trunk}, wins[:, :T].reshape(-1), pos)[:2]
+  logits, hidden = Decoder(cfg, ctx.options).apply({"params": trunk}, wins[:, :T].reshape(-1), pos)[:2]
   h = jax.lax.stop_gradient(hidden) if mtp_stop_grad else hidden
-  mlogits = MTPBlock(cfg, 0).apply({"params": params["mtp_0"]}, h, wins[:, 1:T + 1].reshape(-1), pos, None,
+  mlogits = MTPBlock(cfg, 0, ctx.options).apply({"params": params["mtp_0"]}, h, wins[:, 1:T + 1].reshape(-1), pos, None,
                                    params["token_embd"], params["output"])[0]
   logp = jax.nn.log_softmax(logits.reshape(B, T, -1), -1)
   mlogp = jax.nn.log_softmax(mlogits.reshape(B, T, -1), -1)
@@ -416,7 +412,7 @@ def train(cfg: ModelConfig, params, stream: np.ndarray, FLAGS):
   moe_paths = _moe_paths(cfg)
   lam, stop_grad = FLAGS.mtp_weight, FLAGS.mtp_stop_grad
 
-  with training_modules(FLAGS.capacity, FLAGS.bf16) as ctx:
+  with training_context(FLAGS.capacity, FLAGS.bf16) as ctx:
     def batch_loss(p, wins):
       ctx.moe_stats.clear()
       main, mtp, agree, kl = losses(p, wins, cfg, stop_grad, ctx)
@@ -673,7 +669,7 @@ def write_card(s: dict, path: str) -> None:
 
 A tiny glm4moe mixture-of-experts model with one NextN (MTP) block, trained from scratch on CPU by
 `tools/train_default.py` on text that ships with Python. `python -m decode.generate` uses it when no `--gguf`
-is given (`model.loader.default_model_path`). Its text reads like Python's documentation and is often wrong;
+is given (`configs.default.default_model_path`). Its text reads like Python's documentation and is often wrong;
 its purpose is a model whose MTP head has really learned something, so speculative decoding has real drafts.
 
 ## Data

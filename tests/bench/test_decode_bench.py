@@ -45,7 +45,8 @@ def test_compile_run_leaves_the_timed_runs_nothing_to_compile():
   no entry to the decode loop's compile cache; a run sized for fewer tokens does."""
   from bench import cells as bench
   from decode import engine
-  from model.loader import default_model_path, load_model
+  from configs.default import default_model_path
+  from model.loader import load_model
   bench.FLAGS(["bench", "--max_new_tokens", "20", "--max_context", "4096"])
   try:
     model = load_model(default_model_path())
@@ -92,7 +93,8 @@ def test_text_prompts_have_the_cell_depth_or_are_refused():
   import pytest
 
   from bench import cells as bench
-  from model.loader import default_model_path, load_model
+  from configs.default import default_model_path
+  from model.loader import load_model
   m = load_model(default_model_path())
   for n in (1024, 40000):
     ids = bench._text_tokens(m, n, seed=2)
@@ -170,6 +172,7 @@ def test_random_params_are_the_loaded_files_params_on_any_thread_count(tmp_path)
   import numpy as np
 
   from configs.presets import TINY_QWEN3MOE
+  from configs.vocab import load_vocab
   from model.api import fuse_qkv
   from model.loader import load_model
   from model.writer import quant_policy, random_params, write_gguf
@@ -181,7 +184,7 @@ def test_random_params_are_the_loaded_files_params_on_any_thread_count(tmp_path)
   assert jax.tree.structure(one, is_leaf=leaf) == jax.tree.structure(three, is_leaf=leaf)
   for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(three)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  loaded = load_model(write_gguf(tmp_path / "r.gguf", TINY_QWEN3MOE, types=types, seed=5)).params
+  loaded = load_model(write_gguf(tmp_path / "r.gguf", TINY_QWEN3MOE, load_vocab(1024), types=types, seed=5)).params
   shapes = lambda p: jax.tree.map(lambda t: (t.qtype, t.shape, tuple(x.shape for x in t.planes)) if leaf(t)  # noqa: E731
                                   else (str(t.dtype), t.shape), p, is_leaf=leaf)
   assert shapes(fuse_qkv(one)) == shapes(loaded)

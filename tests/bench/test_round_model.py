@@ -16,7 +16,8 @@ def test_expected_distinct_matches_simulation(E, K, T):
 
 def test_bytes_model_on_default_model():
   from decode.kv_plan import param_bytes
-  from model.loader import default_model_path, load_model
+  from configs.default import default_model_path
+  from model.loader import load_model
   m = load_model(default_model_path())
   g = round_model.weight_groups(m.params, m.cfg)
   total, experts = param_bytes(m.params)

@@ -11,6 +11,7 @@ import numpy as np
 
 from decode.engine import generate
 from model import api, loader
+from configs.default import default_model_path
 from model.loader import load_model
 from tools import llama_ref
 from tests.models import model_path
@@ -68,7 +69,7 @@ def test_plan_line_says_what_a_bigger_ring_or_window_moves():
   from model import expert_cache as xc
   from decode.kv_plan import make_plan, param_bytes
   MiB = 1 << 20
-  m = load_model(loader.default_model_path())
+  m = load_model(default_model_path())
 
   def plan(budget):
     r = subprocess.run([sys.executable, "-m", "decode.generate", "--plan", "--expert_cache", "auto",

@@ -15,7 +15,8 @@ import os
 import pytest
 
 from tools import train_default as td
-from model.loader import default_model_path, load_model
+from configs.default import default_model_path
+from model.loader import load_model
 
 PATH = str(td.DATA_DIR / "default.gguf")
 MAX_BYTES = 20 * 1000 * 1000

@@ -10,7 +10,8 @@ import pytest
 
 from decode.engine import generate
 from decode.speculative import speculative_generate
-from model.loader import default_model_path, load_model
+from configs.default import default_model_path
+from model.loader import load_model
 from tests.ref_forward import RefModel
 
 N = 64

@@ -10,12 +10,10 @@ Relative L2 of the logits over all positions, ||ref - llama|| / ||llama||:
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
+from tests.models import model_path  # noqa: E402
 from tests.ref_forward import RefModel, rms_norm, rope_neox  # noqa: E402
 
 import gguf  # noqa: E402
@@ -26,8 +24,8 @@ TOL_F32 = 1e-5     # F32 file, f32 KV cache, no flash attention: f32 end to end 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# STAND-IN tiny GGUF writer. Used only while `model.writer.write_tiny_gguf` does not exist; kept here so the
-# oracle's validation never depends on the code it validates.
+# A second tiny GGUF writer, independent of model/writer.py: the oracle is also validated on files the project's
+# writer did not make (`standin=True`), so a writer bug cannot hide an oracle bug.
 # ----------------------------------------------------------------------------------------------------------
 
 def _byte_symbols() -> list[str]:
@@ -170,31 +168,22 @@ def _standin_write_tiny_gguf(path: str, arch: str, dtype: str = "f16", seed: int
   return path
 
 
-def _write_tiny_gguf(path: str, arch: str, dtype: str = "f16", seed: int = 0) -> str:
-  try:
-    from model.writer import write_tiny_gguf  # the project's writer, once it exists
-  except ImportError:
-    write_tiny_gguf = None
-  if write_tiny_gguf is not None:
-    out = write_tiny_gguf(path, arch, dtype=dtype, seed=seed)
-    return str(out) if out is not None else path
-  return _standin_write_tiny_gguf(path, arch, dtype=dtype, seed=seed)
-
-
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
-  """get(arch, dtype, standin=False) -> path of a tiny GGUF (the project's writer when it exists)."""
+  """get(arch, dtype, standin=False) -> path of a tiny GGUF: the project's writer's file (tests.models.model_path),
+  or with standin the independent writer's."""
   d = tmp_path_factory.mktemp("ref_forward")
   cache = {}
 
   def get(arch: str, dtype: str, standin: bool = False) -> str:
     key = (arch, dtype, standin)
     if key not in cache:
-      path = str(d / f"tiny-{arch}-{dtype}{'-standin' if standin else ''}.gguf")
-      write = _standin_write_tiny_gguf if standin else _write_tiny_gguf
-      cache[key] = write(path, arch, dtype=dtype, seed=0)
+      if standin:
+        cache[key] = _standin_write_tiny_gguf(str(d / f"tiny-{arch}-{dtype}-standin.gguf"), arch, dtype=dtype, seed=0)
+      else:
+        cache[key] = model_path(arch, dtype.upper())
     return cache[key]
   return get
 

@@ -147,7 +147,7 @@ def test_host_tier_wrapping_ring_equals_full_cache(kv):
     assert (st.state.host is None) == (gen.kv_resident == 2048)
     out, state = [np.asarray(st.logits)], st.state
     for t in big.ids[:8]:
-      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg, options=opts)
+      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg)
       out.append(np.asarray(l)[None])
     logits.append(np.concatenate(out))
   err = llama_ref.rel_l2(logits[1], logits[0])
@@ -163,7 +163,6 @@ def test_host_tier_beside_the_attention_kernels_equals_full_cache(kernel, monkey
   and returns its log-sum-exp for the merge with the tier's part: decode steps on the decode kernel, prefill
   chunks on the prefill kernel. The same greedy tokens as one ring holding everything, also on the kernels; every
   kernel call beside the tier asks for the lse, none without it."""
-  from model import host_tier
   from ops import attention, attention_pallas, prefill_attention_pallas
   module, name = ((attention_pallas, "ring_attention_pallas") if kernel == "decode" else
                   (prefill_attention_pallas, "prefill_attention_pallas"))
