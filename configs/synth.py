@@ -25,13 +25,14 @@ flags.DEFINE_float("block_scale", 1e-3, "size of the f16 scale fields of the ran
 
 def write(name: str, out: str, experts: str = "IQ3_S", other: str = "Q8_0", seed: int = 0, block_scale: float = 1e-3,
           progress: bool = True) -> str:
+  from configs.vocab import load_vocab
   from model.writer import quant_policy, write_gguf
   from ops.quant import GGML_TYPES
   for t in (experts, other):
     if t not in GGML_TYPES:
       raise ValueError(f"synth: type {t!r} is not one of {', '.join(GGML_TYPES)}")
   tmp = out + ".tmp"
-  write_gguf(tmp, preset(name), types=quant_policy(experts, other), seed=seed, progress=progress,
+  write_gguf(tmp, preset(name), load_vocab(1024), types=quant_policy(experts, other), seed=seed, progress=progress,
              block_scale=block_scale, name=f"synthetic {name} ({experts} experts)")
   os.replace(tmp, out)
   return out

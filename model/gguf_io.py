@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from model.config import ARCHS, ModelConfig
+from model.config import ARCHS, HYBRID_ARCHS, ModelConfig
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ3_S", "IQ4_NL", "IQ4_XS")
 
@@ -171,6 +171,8 @@ def read_config(f: GGUFFile) -> ModelConfig:
     raise GGUFError(f"{f.path}: missing required key 'general.architecture'")
   if arch not in ARCHS:
     raise GGUFError(f"{f.path}: unsupported arch '{arch}' (general.architecture); supported: {', '.join(ARCHS)}")
+  if arch in HYBRID_ARCHS:
+    return _read_hybrid_config(f, arch)
   k = lambda s: f"{arch}.{s}"  # noqa: E731
   n_blocks = f.require(k("block_count"), int)
   n_nextn = int(f.get(k("nextn_predict_layers"), 0) or 0)
@@ -178,12 +180,7 @@ def read_config(f: GGUFFile) -> ModelConfig:
   n_heads = f.require(k("attention.head_count"), int)
   n_kv = f.require(k("attention.head_count_kv"), int)
   head_dim = int(f.get(k("attention.key_length"), d_model // n_heads))
-  if "token_embd.weight" not in f.tensors:
-    raise GGUFError(f"{f.path}: missing tensor 'token_embd.weight'")
-  vocab = int(f.tensors["token_embd.weight"].shape[1])
-  toks = f.get("tokenizer.ggml.tokens")
-  if toks is not None and len(toks) != vocab:
-    raise GGUFError(f"{f.path}: key 'tokenizer.ggml.tokens' has {len(toks)} entries, expected {vocab} (token_embd rows)")
+  vocab = _vocab_size(f)
   n_experts = f.require(k("expert_count"), int)
   top_k = f.require(k("expert_used_count"), int)
   d_ff_exp = f.require(k("expert_feed_forward_length"), int)
@@ -213,23 +210,122 @@ def read_config(f: GGUFFile) -> ModelConfig:
       tied_embeddings="output.weight" not in f.tensors, context_length=int(f.get(k("context_length"), 4096)), **kw)
 
 
-def _block_map(c: ModelConfig, i: int) -> dict[tuple[str, ...], tuple[str, tuple[int, ...]]]:
-  """Param path (inside the block) -> (GGUF tensor name, numpy shape) for block i."""
-  D, Hq, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-  b = f"blk.{i}."
-  m = {
-      ("attn_norm",): (b + "attn_norm.weight", (D,)),
-      ("ffn_norm",): (b + ("post_attention_norm.weight" if c.arch == "glm4moe" else "ffn_norm.weight"), (D,)),
-      ("attn", "wq"): (b + "attn_q.weight", (Hq * Dh, D)),
-      ("attn", "wk"): (b + "attn_k.weight", (Hkv * Dh, D)),
-      ("attn", "wv"): (b + "attn_v.weight", (Hkv * Dh, D)),
-      ("attn", "wo"): (b + "attn_output.weight", (D, Hq * Dh)),
-  }
-  if c.qkv_bias:
-    m.update({("attn", "bq"): (b + "attn_q.bias", (Hq * Dh,)), ("attn", "bk"): (b + "attn_k.bias", (Hkv * Dh,)),
-              ("attn", "bv"): (b + "attn_v.bias", (Hkv * Dh,))})
-  if c.qk_norm:
-    m.update({("attn", "q_norm"): (b + "attn_q_norm.weight", (Dh,)), ("attn", "k_norm"): (b + "attn_k_norm.weight", (Dh,))})
+def _vocab_size(f: GGUFFile) -> int:
+  if "token_embd.weight" not in f.tensors:
+    raise GGUFError(f"{f.path}: missing tensor 'token_embd.weight'")
+  vocab = int(f.tensors["token_embd.weight"].shape[1])
+  toks = f.get("tokenizer.ggml.tokens")
+  if toks is not None and len(toks) != vocab:
+    raise GGUFError(f"{f.path}: key 'tokenizer.ggml.tokens' has {len(toks)} entries, expected {vocab} (token_embd rows)")
+  return vocab
+
+
+def _int_list(f: GGUFFile, key: str, n: int, what: str) -> list[int]:
+  """A key llama.cpp reads with get_key_or_arr: one value for all n entries, or an array of exactly n."""
+  v = f.md.get(key)
+  if isinstance(v, list):
+    if len(v) != n:
+      raise GGUFError(f"{f.path}: key '{key}' has {len(v)} entries, expected {n} ({what})")
+    vals = v
+  else:
+    vals = [v] * n
+  if not all(isinstance(x, int) for x in vals):
+    raise GGUFError(f"{f.path}: key '{key}' is {v!r}, expected int or an array of int")
+  return [int(x) for x in vals]
+
+
+def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
+  """qwen3next / qwen35moe as llama.cpp 0.3.36 reads them (src/models/{qwen3next,qwen35moe}.cpp
+  load_arch_hparams, llama-model.cpp load_hparams)."""
+  k = lambda s: f"{arch}.{s}"  # noqa: E731
+  n_blocks = f.require(k("block_count"), int)
+  n_nextn = int(f.get(k("nextn_predict_layers"), 0) or 0)
+  if not 0 <= n_nextn < n_blocks:
+    raise GGUFError(f"{f.path}: key '{k('nextn_predict_layers')}' is {n_nextn}, expected 0 <= n < block_count {n_blocks}")
+  n_layers = n_blocks - n_nextn
+  d_model = f.require(k("embedding_length"), int)
+  rkey = k("attention.recurrent_layers")
+  if rkey in f.md:
+    arr = f.md[rkey]
+    if not isinstance(arr, list) or len(arr) != n_blocks or not all(isinstance(x, (bool, int)) for x in arr):
+      raise GGUFError(f"{f.path}: key '{rkey}' is {arr!r}, expected an array of {n_blocks} bools (block_count)")
+    if any(arr[n_layers:]):
+      raise GGUFError(f"{f.path}: key '{rkey}' marks a NextN block recurrent, expected false for blocks >= {n_layers}")
+    recurrent = tuple(bool(x) for x in arr[:n_layers])
+  else:
+    interval = f.get(k("full_attention_interval"), 4)      # llama.cpp's default: 4
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+      raise GGUFError(f"{f.path}: key '{k('full_attention_interval')}' is {interval!r}, expected an int >= 1")
+    recurrent = tuple((i + 1) % interval != 0 for i in range(n_layers))
+  attn = [i for i in range(n_layers) if not recurrent[i]] + list(range(n_layers, n_blocks))
+  if not attn:
+    raise GGUFError(f"{f.path}: every block is recurrent ('{rkey}'): no attention layer to read head counts from")
+  if k("attention.head_count") not in f.md:
+    raise GGUFError(f"{f.path}: missing required key '{k('attention.head_count')}'")
+  heads = _int_list(f, k("attention.head_count"), n_blocks, "block_count")
+  kvh = _int_list(f, k("attention.head_count_kv"), n_blocks, "block_count") if k("attention.head_count_kv") in f.md else heads
+  n_heads, n_kv = heads[attn[0]], kvh[attn[0]]
+  for i in attn:
+    if (heads[i], kvh[i]) != (n_heads, n_kv):
+      raise GGUFError(f"{f.path}: attention block {i} has {heads[i]}/{kvh[i]} heads, expected the same "
+                      f"{n_heads}/{n_kv} in every attention block")
+  if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv:
+    raise GGUFError(f"{f.path}: key '{k('attention.head_count')}' / '{k('attention.head_count_kv')}' are "
+                    f"{n_heads} / {n_kv}, expected positive with head_count a multiple of head_count_kv")
+  head_dim = int(f.get(k("attention.key_length"), d_model // n_heads))
+  head_dim_v = int(f.get(k("attention.value_length"), d_model // n_heads))
+  if head_dim_v != head_dim:
+    raise GGUFError(f"{f.path}: key '{k('attention.value_length')}' is {head_dim_v}, expected key_length {head_dim}")
+  rope_dim = int(f.get(k("rope.dimension_count"), head_dim))
+  if rope_dim % 2 or not 0 < rope_dim <= head_dim:
+    raise GGUFError(f"{f.path}: key '{k('rope.dimension_count')}' is {rope_dim}, expected even and <= {head_dim}")
+  vocab = _vocab_size(f)
+  n_experts = f.require(k("expert_count"), int)
+  top_k = f.require(k("expert_used_count"), int)
+  if n_experts <= 0 or not 0 < top_k <= n_experts:
+    raise GGUFError(f"{f.path}: key '{k('expert_count')}' / '{k('expert_used_count')}' are {n_experts} / {top_k}, "
+                    f"expected experts > 0 and 0 < used <= experts")
+  n_ff = _int_list(f, k("feed_forward_length"), n_blocks, "block_count")[0] if k("feed_forward_length") in f.md else 0
+  d_ff_exp = f.require(k("expert_feed_forward_length"), int) if k("expert_feed_forward_length") in f.md else 0
+  d_ff_exp = d_ff_exp or n_ff // top_k                # llama.cpp: n_ff_exp, else n_ff / n_expert_used
+  d_ff_sh = int(f.get(k("expert_shared_feed_forward_length"), 0) or 0) or n_ff   # llama.cpp: n_ff_shexp, else n_ff
+  for key, v in (("expert_feed_forward_length", d_ff_exp), ("expert_shared_feed_forward_length", d_ff_sh)):
+    if v <= 0:
+      raise GGUFError(f"{f.path}: missing required key '{k(key)}' (nor a '{k('feed_forward_length')}' to derive it from)")
+  ssm = {}
+  for name, key in (("ssm_conv_kernel", "conv_kernel"), ("ssm_inner", "inner_size"), ("ssm_state", "state_size"),
+                    ("ssm_dt_rank", "time_step_rank"), ("ssm_groups", "group_count")):
+    ssm[name] = f.require(k(f"ssm.{key}"), int)
+    if ssm[name] <= 0:
+      raise GGUFError(f"{f.path}: key '{k('ssm.' + key)}' is {ssm[name]}, expected > 0")
+  if ssm["ssm_inner"] != ssm["ssm_dt_rank"] * ssm["ssm_state"]:
+    raise GGUFError(f"{f.path}: key '{k('ssm.inner_size')}' is {ssm['ssm_inner']}, expected time_step_rank x "
+                    f"state_size = {ssm['ssm_dt_rank'] * ssm['ssm_state']} (llama.cpp: value head dim == key head dim)")
+  if ssm["ssm_dt_rank"] % ssm["ssm_groups"]:
+    raise GGUFError(f"{f.path}: key '{k('ssm.time_step_rank')}' is {ssm['ssm_dt_rank']}, expected a multiple of "
+                    f"ssm.group_count {ssm['ssm_groups']}")
+  kw: dict[str, Any] = {}
+  if arch == "qwen35moe":                             # required (get_key_or_arr(..., 4, true)): M-RoPE sections
+    skey = k("rope.dimension_sections")
+    if skey not in f.md:
+      raise GGUFError(f"{f.path}: missing required key '{skey}'")
+    sec = _int_list(f, skey, 4, "M-RoPE sections")
+    if min(sec) < 0 or not any(sec[:3]) or sum(sec) > rope_dim:
+      raise GGUFError(f"{f.path}: key '{skey}' is {sec}, expected counts >= 0, one of the first three > 0 and a sum "
+                      f"<= rope.dimension_count {rope_dim}")
+    kw.update(rope_mode="imrope", rope_sections=tuple(sec))
+  return ModelConfig(
+      arch=arch, vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+      head_dim=head_dim, rope_dim=rope_dim, rope_theta=float(f.get(k("rope.freq_base"), 10000.0)),
+      rms_eps=float(f.require(k("attention.layer_norm_rms_epsilon"), float)), n_experts=n_experts, top_k=top_k,
+      d_ff_expert=d_ff_exp, n_shared_experts=1, d_ff_shared=d_ff_sh, shared_expert_gate=True,
+      routing="softmax", norm_topk=True, qk_norm=True, n_nextn=n_nextn, tied_embeddings="output.weight" not in f.tensors,
+      context_length=int(f.get(k("context_length"), 4096)), recurrent=recurrent, attn_output_gate=True, **ssm, **kw)
+
+
+def _ffn_map(c: ModelConfig, i: int) -> dict[tuple[str, ...], tuple[str, tuple[int, ...]]]:
+  D, b = c.d_model, f"blk.{i}."
+  m: dict[tuple[str, ...], tuple[str, tuple[int, ...]]] = {}
   if c.is_moe_layer(i):
     E, F = c.n_experts, c.d_ff_expert
     m.update({("ffn", "router"): (b + "ffn_gate_inp.weight", (E, D)),
@@ -251,14 +347,89 @@ def _block_map(c: ModelConfig, i: int) -> dict[tuple[str, ...], tuple[str, tuple
   return m
 
 
+def _gdn_map(c: ModelConfig, i: int, f=None) -> dict[tuple[str, ...], tuple[str, tuple[int, ...]]]:
+  """A Gated DeltaNet layer's mixer tensors (llama.cpp 0.3.36 create_tensor shapes, numpy order)."""
+  D, Hv, Dv, b = c.d_model, c.Hv, c.Dv, f"blk.{i}."
+  m: dict[tuple[str, ...], tuple[str, tuple[int, ...]]] = {}
+  if c.arch == "qwen3next" and f is not None and not f.has(b + "attn_qkv.weight") and f.has(b + "ssm_in.weight"):
+    m[("gdn", "w_in")] = (b + "ssm_in.weight", (c.Cc + Hv * Dv, D))        # legacy: split by load_params
+  else:
+    m[("gdn", "wqkv")] = (b + "attn_qkv.weight", (c.Cc, D))
+    m[("gdn", "wz")] = (b + "attn_gate.weight", (Hv * Dv, D))
+  m.update({("gdn", "conv"): (b + "ssm_conv1d.weight", (c.Cc, c.Kc)),
+            ("gdn", "dt_bias"): (b + "ssm_dt.bias", (Hv,)),
+            ("gdn", "a"): (b + "ssm_a", (Hv,))})
+  if c.arch == "qwen3next":
+    m[("gdn", "wba")] = (b + "ssm_ba.weight", (2 * Hv, D))                  # split by load_params
+  else:
+    m[("gdn", "wbeta")] = (b + "ssm_beta.weight", (Hv, D))
+    m[("gdn", "walpha")] = (b + "ssm_alpha.weight", (Hv, D))
+  m.update({("gdn", "norm"): (b + "ssm_norm.weight", (Dv,)), ("gdn", "wo"): (b + "ssm_out.weight", (D, Hv * Dv))})
+  return m
+
+
+def _block_map(c: ModelConfig, i: int, f=None) -> dict[tuple[str, ...], tuple[str, tuple[int, ...]]]:
+  """Param path (inside the block) -> (GGUF tensor name, numpy shape) for block i."""
+  D, Hq, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+  b = f"blk.{i}."
+  post_norm = c.arch == "glm4moe" or c.is_hybrid
+  m = {("attn_norm",): (b + "attn_norm.weight", (D,)),
+       ("ffn_norm",): (b + ("post_attention_norm.weight" if post_norm else "ffn_norm.weight"), (D,))}
+  if c.is_recurrent(i):
+    m.update(_gdn_map(c, i, f))
+  else:
+    m.update({
+        ("attn", "wqg" if c.attn_output_gate else "wq"): (b + "attn_q.weight", ((2 if c.attn_output_gate else 1) * Hq * Dh, D)),
+        ("attn", "wk"): (b + "attn_k.weight", (Hkv * Dh, D)),
+        ("attn", "wv"): (b + "attn_v.weight", (Hkv * Dh, D)),
+        ("attn", "wo"): (b + "attn_output.weight", (D, Hq * Dh)),
+    })
+    if c.qkv_bias:
+      m.update({("attn", "bq"): (b + "attn_q.bias", (Hq * Dh,)), ("attn", "bk"): (b + "attn_k.bias", (Hkv * Dh,)),
+                ("attn", "bv"): (b + "attn_v.bias", (Hkv * Dh,))})
+    if c.qk_norm:
+      m.update({("attn", "q_norm"): (b + "attn_q_norm.weight", (Dh,)), ("attn", "k_norm"): (b + "attn_k_norm.weight", (Dh,))})
+  m.update(_ffn_map(c, i))
+  return m
+
+
 def tensor_map(c: ModelConfig, f: GGUFFile | None = None) -> dict[tuple[str, ...], tuple[str, tuple[int, ...]]]:
-  """Every param path -> (GGUF name, numpy shape). Optional NextN tensors are included when `f` has them."""
+  """Every param path -> (GGUF name, numpy shape). Optional NextN tensors are included when `f` has them.
+
+  The params tree (`load_params`; numpy shapes [out, in]: y = x @ w.T; letters as docs/SHAPES.md):
+    token_embd [V, D], output_norm [D], output [V, D] (absent when tied: the head is token_embd)
+    blk_{i} (trunk block i < n_layers), mtp_{j}/blk (NextN block j, GGUF block n_layers + j):
+      attn_norm [D]; ffn_norm [D] (ffn_norm.weight, or post_attention_norm.weight for glm4moe and the hybrid archs)
+      attention block: attn/wq [H Dh, D], wk, wv [Hkv Dh, D], wo [D, H Dh], optional bq / bk / bv,
+        q_norm / k_norm [Dh]; with attn_output_gate (hybrid) also attn/wgate [H Dh, D]: the file's attn_q is
+        [H, 2, Dh] rows (per head its Dh query rows, then its Dh gate rows), split at load into wq and wgate; the
+        layer's output is attention [T, H Dh] * sigmoid(x @ wgate.T) before wo
+      Gated DeltaNet block (ModelConfig.is_recurrent(i)): attn_norm, ffn_norm and
+        gdn/wqkv [Cc, D]   attn_qkv: rows q [Hk Dk] | k [Hk Dk] | v [Hv Dv], head-major (head h at h Dk / h Dv)
+        gdn/wz [Hv Dv, D]  attn_gate: z, the gate of the output norm (value head h at rows h Dv)
+        gdn/wbeta, gdn/walpha [Hv, D]  value-head rows: beta = sigmoid(x @ wbeta.T), alpha = x @ walpha.T
+                           (qwen35moe: ssm_beta / ssm_alpha; qwen3next: ssm_ba [Hk, 2, Hv / Hk] rows, per key head
+                           its Hv / Hk beta rows then its alpha rows, split at load; value head h = g (Hv / Hk) + j)
+        gdn/conv [Cc, Kc]  ssm_conv1d (F32 in llama.cpp's files): out[t, c] = sum_k x[t - Kc + 1 + k, c] conv[c, k]
+        gdn/dt_bias [Hv]   ssm_dt.bias; gdn/a [Hv] ssm_a = -exp(A_log): log-decay g = softplus(alpha + dt_bias) * a
+        gdn/norm [Dv]      ssm_norm: RMSNorm over each value head, times silu(z)
+        gdn/wo [D, Hv Dv]  ssm_out
+        (legacy qwen3next files with ssm_in [Hk, 2 Dk + 2 (Hv / Hk) Dv] rows, per key head q | k | v | z, load into
+        the same gdn/wqkv and gdn/wz)
+      ffn (MoE blocks): router [E, D], gate_exps / up_exps [E, F, D], down_exps [E, D, F], router_bias [E]
+        (glm4moe), gate_shexp / up_shexp [Fs, D], down_shexp [D, Fs], shexp_gate [D] (qwen2moe, hybrid: the
+        shared expert's output times sigmoid(x . shexp_gate)); dense blocks: ffn/gate, up [Fd, D], down [D, Fd]
+    mtp_{j}: enorm, hnorm [D], eh_proj [D, 2 D] (input: embedding first, then hidden), shared_head_norm [D],
+      optional embed_tokens, shared_head_head [V, D], and blk (the block above).
+
+  Keys here name file tensors; the three split ones (attn/wqg, gdn/wba, gdn/w_in) are replaced at load by the
+  pieces `row_splits` names."""
   V, D = c.vocab_size, c.d_model
   m = {("token_embd",): ("token_embd.weight", (V, D)), ("output_norm",): ("output_norm.weight", (D,))}
   if not c.tied_embeddings:
     m[("output",)] = ("output.weight", (V, D))
   for i in range(c.n_layers):
-    m.update({(f"blk_{i}",) + p: v for p, v in _block_map(c, i).items()})
+    m.update({(f"blk_{i}",) + p: v for p, v in _block_map(c, i, f).items()})
   for j in range(c.n_nextn):
     i = c.n_layers + j
     n = f"blk.{i}.nextn."
@@ -267,9 +438,28 @@ def tensor_map(c: ModelConfig, f: GGUFFile | None = None) -> dict[tuple[str, ...
     for opt, shape in (("embed_tokens", (V, D)), ("shared_head_head", (V, D))):
       if f is not None and f.has(n + opt + ".weight"):
         mm[(opt,)] = (n + opt + ".weight", shape)
-    mm.update({("blk",) + p: v for p, v in _block_map(c, i).items()})
+    mm.update({("blk",) + p: v for p, v in _block_map(c, i, f).items()})
     m.update({(f"mtp_{j}",) + p: v for p, v in mm.items()})
   return m
+
+
+def row_splits(c: ModelConfig, path: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+  """For a file tensor that load_params splits by rows: new last path key -> the source rows it takes, in order
+  (a row permutation: quantized rows move whole, so every type splits exactly). None for other tensors."""
+  key = path[-1]
+  if key == "wqg":                                   # attn_q: [H, 2, Dh] rows
+    r = np.arange(2 * c.n_heads * c.head_dim).reshape(c.n_heads, 2, c.head_dim)
+    return {"wq": r[:, 0].reshape(-1), "wgate": r[:, 1].reshape(-1)}
+  if key == "wba":                                   # ssm_ba: [Hk, 2, Hv / Hk] rows
+    g = c.Hv // c.Hk
+    r = np.arange(2 * c.Hv).reshape(c.Hk, 2, g)
+    return {"wbeta": r[:, 0].reshape(-1), "walpha": r[:, 1].reshape(-1)}
+  if key == "w_in":                                  # legacy ssm_in: [Hk, q Dk | k Dk | v (Hv/Hk) Dv | z (Hv/Hk) Dv]
+    gv = c.Hv // c.Hk * c.Dv
+    r = np.arange(c.Hk * (2 * c.Dk + 2 * gv)).reshape(c.Hk, 2 * c.Dk + 2 * gv)
+    q, k, v, z = np.split(r, [c.Dk, 2 * c.Dk, 2 * c.Dk + gv], axis=1)
+    return {"wqkv": np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), "wz": z.reshape(-1)}
+  return None
 
 
 def _to_param(qtype: str, data: np.ndarray, shape: tuple[int, ...]):
@@ -286,20 +476,32 @@ def _to_param(qtype: str, data: np.ndarray, shape: tuple[int, ...]):
   return QTensor.from_gguf(data, qtype, shape[-1])
 
 
+def to_params(c: ModelConfig, path: tuple[str, ...], qtype: str, data: np.ndarray,
+              shape: tuple[int, ...]) -> list[tuple[tuple[str, ...], Any]]:
+  """The params one file tensor gives: [(path, param)], split by rows where `row_splits` says (data's first axis is
+  the tensor's rows for every type: values, or each row's quantized blocks)."""
+  split = row_splits(c, path)
+  if split is None:
+    return [(path, _to_param(qtype, data, shape))]
+  data = np.asarray(data).reshape(shape[0], -1)
+  return [(path[:-1] + (key,), _to_param(qtype, data[rows], (len(rows),) + tuple(shape[1:])))
+          for key, rows in split.items()]
+
+
 def load_params(f: GGUFFile, c: ModelConfig, place=None) -> dict:
-  """The params pytree (nested dicts of arrays / QTensors) for `c` from file `f`; `place(path, param)`, when
-  given, is applied to each param as soon as it is built (e.g. model.expert_cache.placer: the routed experts
-  go to host memory one tensor at a time)."""
+  """The params pytree (nested dicts of arrays / QTensors; layout: `tensor_map`) for `c` from file `f`;
+  `place(path, param)`, when given, is applied to each param as soon as it is built (e.g.
+  model.expert_cache.placer: the routed experts go to host memory one tensor at a time)."""
   params: dict = {}
   for path, (name, shape) in tensor_map(c, f).items():
     qtype, data = f.tensor(name, shape)
     if len(shape) == 1 and qtype not in ("F32", "F16", "BF16"):
       raise GGUFError(f"{f.path}: tensor '{name}' is {qtype}, expected a float type for a 1-D tensor")
-    node = params
-    for p in path[:-1]:
-      node = node.setdefault(p, {})
-    param = _to_param(qtype, data, shape)
-    node[path[-1]] = place(tuple(path), param) if place else param
+    for ppath, param in to_params(c, path, qtype, data, shape):
+      node = params
+      for p in ppath[:-1]:
+        node = node.setdefault(p, {})
+      node[ppath[-1]] = place(tuple(ppath), param) if place else param
   return params
 
 

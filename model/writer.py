@@ -3,7 +3,12 @@
 `write_gguf` writes every tensor `model.gguf_io.tensor_map` names for a `ModelConfig`, streaming one tensor
 at a time (a 30B-shape file never sits in memory). Float tensors get random values of a stable scale;
 quantized tensors are random *valid* blocks written directly as bytes (`ops.quant.random_blocks`), which is
-how the full-size synthetic files are made without any real weights.
+how the full-size synthetic files are made without any real weights. The tokenizer is the caller's (a
+`configs.vocab.VocabSpec`-like object): model/ does not import configs/.
+
+Hybrid files (qwen3next, qwen35moe) are what llama.cpp 0.3.36 loads and runs: the layer layout as
+`full_attention_interval` when it is that pattern, else `attention.recurrent_layers`; `ssm_conv1d` always F32
+(ggml's CPU ssm_conv reads F32 weights only, and llama.cpp's quantizer leaves the tensor as it is).
 """
 from __future__ import annotations
 
@@ -18,15 +23,21 @@ from model.gguf_io import tensor_map
 TypePolicy = Callable[[str, tuple[int, ...]], str]
 
 
+def _always_f32(name: str, shape: tuple[int, ...]) -> bool:
+  """1-D tensors (norms, biases, ssm_a) and the Gated DeltaNet conv kernel stay F32, as llama.cpp's files have them."""
+  return len(shape) == 1 or "ssm_conv1d" in name
+
+
 def float_policy(dtype: str = "F16") -> TypePolicy:
-  """2-D and 3-D weights in `dtype` (F32/F16/BF16), 1-D tensors (norms, biases) in F32, as llama.cpp writes."""
-  return lambda name, shape: "F32" if len(shape) == 1 else dtype
+  """2-D and 3-D weights in `dtype` (F32/F16/BF16); 1-D tensors (norms, biases) and ssm_conv1d in F32, as
+  llama.cpp writes."""
+  return lambda name, shape: "F32" if _always_f32(name, shape) else dtype
 
 
 def quant_policy(experts: str = "IQ3_S", other: str = "Q8_0") -> TypePolicy:
-  """Routed experts in `experts`, other matrices in `other`, router and 1-D tensors in F32."""
+  """Routed experts in `experts`, other matrices in `other`; router, ssm_conv1d and 1-D tensors in F32."""
   def pick(name: str, shape: tuple[int, ...]) -> str:
-    if len(shape) == 1 or "ffn_gate_inp" in name:
+    if _always_f32(name, shape) or "ffn_gate_inp" in name:
       return "F32"
     return experts if "_exps." in name else other
   return pick
@@ -50,7 +61,7 @@ def _write_metadata(w, c: ModelConfig, name: str) -> None:
   u32("expert_count", c.n_experts)
   u32("expert_used_count", c.top_k)
   u32("expert_feed_forward_length", c.d_ff_expert)
-  if a == "qwen2moe":
+  if a in ("qwen2moe",) or c.is_hybrid:
     u32("expert_shared_feed_forward_length", c.d_ff_shared)
   if a == "glm4moe":
     u32("leading_dense_block_count", c.n_dense_lead)
@@ -59,6 +70,43 @@ def _write_metadata(w, c: ModelConfig, name: str) -> None:
     w.add_bool(f"{a}.expert_weights_norm", c.norm_topk)
     u32("expert_gating_func", 2)
     u32("nextn_predict_layers", c.n_nextn)
+  if c.is_hybrid:
+    u32("nextn_predict_layers", c.n_nextn)
+    u32("ssm.conv_kernel", c.ssm_conv_kernel)
+    u32("ssm.inner_size", c.ssm_inner)
+    u32("ssm.state_size", c.ssm_state)
+    u32("ssm.time_step_rank", c.ssm_dt_rank)
+    u32("ssm.group_count", c.ssm_groups)
+    k = _interval(c.recurrent)
+    if k is not None:
+      u32("full_attention_interval", k)
+    else:
+      w.add_array(f"{a}.attention.recurrent_layers", [bool(r) for r in c.recurrent] + [False] * c.n_nextn)
+    if c.rope_mode == "imrope":
+      w.add_array(f"{a}.rope.dimension_sections", [int(x) for x in c.rope_sections])
+
+
+def _interval(recurrent: tuple[bool, ...]) -> int | None:
+  """The full_attention_interval k whose layout (layer i recurrent iff (i + 1) % k != 0) is `recurrent`, if any."""
+  n = len(recurrent)
+  for k in range(1, n + 2):
+    if tuple((i + 1) % k != 0 for i in range(n)) == tuple(recurrent):
+      return k
+  return None
+
+
+def _write_vocab(w, vocab) -> None:
+  """Every tokenizer.ggml.* key llama.cpp needs for `vocab` (byte-level BPE: tokens, token_types, merges,
+  bos_id, eos_id, pre, add_bos; the eos token also pads)."""
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre(vocab.pre)
+  w.add_token_list(list(vocab.tokens))
+  w.add_token_types(list(vocab.token_types))
+  w.add_token_merges(list(vocab.merges))
+  w.add_bos_token_id(vocab.bos_id)
+  w.add_eos_token_id(vocab.eos_id)
+  w.add_pad_token_id(vocab.eos_id)
+  w.add_add_bos_token(vocab.add_bos)
 
 
 def _random_float(name: str, shape: tuple[int, ...], rng: np.random.Generator, cfg: ModelConfig) -> np.ndarray:
@@ -69,6 +117,8 @@ def _random_float(name: str, shape: tuple[int, ...], rng: np.random.Generator, c
   llama.cpp's 8-bit activations then break differently (one flipped expert moves a position's logits ~50 %).
   """
   if len(shape) == 1:
+    if name.endswith(".ssm_a"):       # -exp(A_log): log-decays of 0.2-2 per unit of softplus(alpha + dt_bias)
+      return (-rng.uniform(0.2, 2.0, shape)).astype(np.float32)
     if name.endswith(".bias"):
       return (0.1 * rng.standard_normal(shape)).astype(np.float32)
     if "shexp" in name:  # qwen2moe shared-expert gate vector
@@ -97,27 +147,26 @@ def _random_tensor(tname: str, shape: tuple[int, ...], t: str, rng: np.random.Ge
   return quant.random_blocks(t, shape, rng, scale=block_scale)
 
 
-def write_gguf(path: str | os.PathLike, cfg: ModelConfig, *, types: TypePolicy | None = None, seed: int = 0,
-               vocab=None, name: str | None = None, progress: bool = False, block_scale: float = 1e-3) -> str:
+def write_gguf(path: str | os.PathLike, cfg: ModelConfig, vocab, *, types: TypePolicy | None = None, seed: int = 0,
+               name: str | None = None, progress: bool = False, block_scale: float = 1e-3) -> str:
   """Write a random model of shape `cfg` to `path`; returns the path.
 
+  vocab: the tokenizer, a `configs.vocab.VocabSpec`-like object (tokens, token_types, merges, bos_id, eos_id,
+    pre, add_bos; dataclasses.replace-able), padded with unused control tokens to cfg.vocab_size.
   types: tensor name, numpy shape -> GGUF type name (default: `float_policy("F16")`).
-  vocab: a `configs.vocab.VocabSpec` (default: the shipped vocab padded to cfg.vocab_size).
   """
   import gguf
 
-  from configs.vocab import add_to_gguf, load_vocab
   from ops import quant
 
   types = types or float_policy("F16")
   rng = np.random.default_rng(seed)
-  vocab = vocab or load_vocab(1024)
   vocab = pad_vocab(vocab, cfg.vocab_size)
   fake = _FakeFile(cfg)
   entries = sorted(tensor_map(cfg, fake).values(), key=lambda e: _order(e[0]))
   w = gguf.GGUFWriter(str(path), cfg.arch)
   _write_metadata(w, cfg, name or f"random-{cfg.arch}")
-  add_to_gguf(w, vocab)
+  _write_vocab(w, vocab)
   plan = []
   for tname, shape in entries:
     t = types(tname, shape)
@@ -163,7 +212,8 @@ def _order(name: str):
 
 
 class _FakeFile:
-  """Answers `has` for optional NextN tensors: the writer writes the head norm but not an own head/embedding."""
+  """Answers `has` for optional tensors: the writer writes the NextN head norm but not an own head/embedding, and
+  the hybrid layers' attn_qkv / attn_gate (not the legacy ssm_in)."""
 
   def __init__(self, cfg):
     self.cfg = cfg
@@ -182,14 +232,15 @@ def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: in
   on their number. The values are not write_gguf's (one generator for the whole file there)."""
   import concurrent.futures as cf
 
-  from model.gguf_io import _to_param
+  from model.gguf_io import to_params
   types = types or float_policy("F16")
   entries = sorted(tensor_map(cfg, _FakeFile(cfg)).items(), key=lambda e: _order(e[1][0]))
 
   def build(i):
     path, (tname, shape) = entries[i]
     t = types(tname, shape)
-    return _to_param(t, _random_tensor(tname, shape, t, np.random.default_rng([seed, i]), cfg, block_scale), shape)
+    return to_params(cfg, path, t, _random_tensor(tname, shape, t, np.random.default_rng([seed, i]), cfg, block_scale),
+                     shape)
 
   from tqdm import tqdm
   built = [None] * len(entries)
@@ -200,9 +251,10 @@ def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: in
       built[futures[f]] = f.result()
       bar.update()
   params: dict = {}
-  for (path, _), param in zip(entries, built):
-    node = params
-    for p in path[:-1]:
-      node = node.setdefault(p, {})
-    node[path[-1]] = param
+  for pieces in built:
+    for path, param in pieces:
+      node = params
+      for p in path[:-1]:
+        node = node.setdefault(p, {})
+      node[path[-1]] = param
   return params

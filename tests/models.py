@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import tempfile
 
-from configs.presets import TINY_GLM4MOE, TINY_QWEN2MOE, TINY_QWEN3MOE
+from configs.presets import TINY_GLM4MOE, TINY_QWEN2MOE, TINY_QWEN3MOE, TINY_QWEN3NEXT, TINY_QWEN35MOE
+from configs.vocab import load_vocab
 from model.writer import float_policy, write_gguf
 from tools.llama_ref import quantize, tensor_types  # noqa: F401  (re-exported for the tests)
 
-CFGS = {"qwen3moe": TINY_QWEN3MOE, "glm4moe": TINY_GLM4MOE, "qwen2moe": TINY_QWEN2MOE}
+CFGS = {"qwen3moe": TINY_QWEN3MOE, "glm4moe": TINY_GLM4MOE, "qwen2moe": TINY_QWEN2MOE,
+        "qwen3next": TINY_QWEN3NEXT, "qwen35moe": TINY_QWEN35MOE}
 # llama.cpp's quantizer mixes (what `llama-quantize` writes for these file types).
 MIXES = ("Q8_0", "Q4_K_M", "Q6_K", "IQ3_S")
 
@@ -39,7 +41,7 @@ def model_path(arch: str, kind: str) -> str:
     return path
   tmp = path + f".{os.getpid()}.tmp"
   if kind in ("F32", "F16"):
-    write_gguf(tmp, CFGS[arch], types=float_policy(kind), seed=1234, name=f"tiny-{arch}")
+    write_gguf(tmp, CFGS[arch], load_vocab(1024), types=float_policy(kind), seed=1234, name=f"tiny-{arch}")
   else:
     quantize(model_path(arch, "F32"), tmp, kind)
   os.replace(tmp, path)
