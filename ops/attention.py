@@ -17,13 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from ops import attention_pallas, on_gpu, prefill_attention_pallas
+from ops.tuning import Tunings, pick
 
 NEG_INF = -1e30
 IMPLS = ("ref", "pallas", "interpret")
-DEFAULT_GPU_IMPL = "pallas"    # what default_impl picks on a GPU for decode/verify; "ref" to switch the kernel off
-# ... and for prefill (T > MAX_T): "pallas" runs ops/prefill_attention_pallas (30B prefill of 1,024 tokens on the
-# H200: 286 ms against 325 ms with the chunked reference, docs/PERF.md "Prefill"); "ref" switches it off.
-PREFILL_GPU_IMPL = "pallas"
 PREFILL_Q_CHUNK = 512          # queries per chunk of the prefill reference: [512, Hq, block] f32 scores live
 
 
@@ -57,16 +54,16 @@ def _load_block(k_ring, v_ring, k_scale, v_scale, layer, start_slot, block):
   return k.astype(jnp.float32), v.astype(jnp.float32)
 
 
-def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, with_lse=False,
+def _ref_core(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, with_lse=False,
               lo_T=None):
   """The reference on a layer stack [L, R, Hkv, Dh] (scales [L, R, Hkv]) at layer `layer` (int32), or on one
   layer [R, Hkv, Dh] (layer None).
   with_lse: also return the log-sum-exp of the scores [T, Hq] (-inf where no key was visible), for merging.
   lo_T: None, or row t's first visible position [T] (at least length - R), as the decode kernel's."""
-  T, Hq, Dh = q_THD.shape
+  T, Hq, Dh = q_THDh.shape
   R, Hkv, _ = k_ring.shape[-3:]
   G = Hq // Hkv
-  q = q_THD.astype(jnp.float32).reshape(T, Hkv, G, Dh) * scale
+  q = q_THDh.astype(jnp.float32).reshape(T, Hkv, G, Dh) * scale
   oldest = jnp.maximum(length - R, 0)
   if lo_T is not None:
     oldest = jnp.maximum(jnp.asarray(lo_T, jnp.int32), oldest)[:, None]         # [T, 1]
@@ -99,12 +96,12 @@ def _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, b
   return out.reshape(T, Hq, Dh)
 
 
-def attention_with_lse(q_THD, k, v, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int, scale: float,
+def attention_with_lse(q_THDh, k, v, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int, scale: float,
                        lo_T=None):
   """The reference over one layer (layer None) or a stack, returning (out [T, Hq, Dh], lse [T, Hq]) for an
   exact merge of partial attentions."""
   k, v, k_scale, v_scale, layer = _stack(k, v, k_scale, v_scale, layer)
-  return _ref_core(q_THD, k, v, k_scale, v_scale, jnp.asarray(q_pos_T, jnp.int32), jnp.asarray(length, jnp.int32),
+  return _ref_core(q_THDh, k, v, k_scale, v_scale, jnp.asarray(q_pos_T, jnp.int32), jnp.asarray(length, jnp.int32),
                    layer, block, scale, with_lse=True, lo_T=lo_T)
 
 
@@ -119,8 +116,8 @@ def merge_lse_pair(o1, lse1, o2, lse2):
   return o, jnp.where(tot > 0, M + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
 
 
-def tier_attention(q_THD, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, block: int, scale: float,
-                   impl: str | None = None):
+def tier_attention(q_THDh, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, block: int, scale: float,
+                   impl: str | None = None, tunings: Tunings | None = None):
   """Attention of T queries over a host tier (one layer [C, Hkv, Dh], position p in slot p), row t seeing
   positions 0 .. q_hi_T[t] (-1: none): (out [T, Hq, Dh], lse [T, Hq], -inf where nothing is visible).
 
@@ -129,26 +126,27 @@ def tier_attention(q_THD, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, bl
   order (merge_lse_pair). Decode and verify (T <= MAX_T) take the decode kernel: every row's arithmetic is then
   its own, the same in a verify pass as in the step at that position (DESIGN invariant 3). Prefill chunks take
   the prefill kernel, which never holds a [T, Hq, block] score array (the reference's is 512 MB per 4,096-position
-  block at T = 1,024 on the seed-mtp shape). Otherwise the reference walks the tier directly."""
-  T, Hq, Dh = q_THD.shape
+  block at T = 1,024 on the seed-mtp shape). Otherwise the reference walks the tier directly. tunings (static): as
+  ring_attention's."""
+  T, Hq, Dh = q_THDh.shape
   C = k.shape[0]
-  chosen = impl or default_impl(T)
+  chosen = impl or default_impl(T, tunings)
   q_hi_T = jnp.asarray(q_hi_T, jnp.int32)
   if T <= attention_pallas.MAX_T:
     kernel = None if attention_pallas.supported(T, Hq, k.shape[-2], Dh, block, k) else \
-        attention_pallas.ring_attention_pallas
+        functools.partial(attention_pallas.ring_attention_pallas, tuning=pick(tunings, "attention"))
   else:
     kernel = None if prefill_attention_pallas.supported(Hq, k.shape[-2], Dh, block) else \
-        prefill_attention_pallas.prefill_attention_pallas
+        functools.partial(prefill_attention_pallas.prefill_attention_pallas, tuning=pick(tunings, "prefill_attention"))
   if chosen == "ref" or kernel is None:
-    return attention_with_lse(q_THD, k, v, k_scale, v_scale, q_hi_T, C, None, block=tier_block, scale=scale)
+    return attention_with_lse(q_THDh, k, v, k_scale, v_scale, q_hi_T, C, None, block=tier_block, scale=scale)
   tb = tier_block
 
   def body(b, carry):
     start = b * tb
     blk = [None if x is None else _rows(x, None, start, tb) for x in (k, v, k_scale, v_scale)]
     hi = jnp.minimum(q_hi_T, start + tb - 1)        # the block as a ring of tb slots holding [start, start + tb)
-    o, lse = kernel(q_THD, *blk, hi, start + tb, block=min(block, tb), scale=scale, interpret=chosen == "interpret",
+    o, lse = kernel(q_THDh, *blk, hi, start + tb, block=min(block, tb), scale=scale, interpret=chosen == "interpret",
                     with_lse=True)
     return merge_lse_pair(*carry, o, lse)
 
@@ -170,21 +168,21 @@ def _stack(k_ring, v_ring, k_scale, v_scale, layer):
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale"))
-def ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
+def ring_attention_ref(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
                        lo_T=None):
   """softmax(q k^T * scale) v over live, causal keys.
 
-  q_THD: [T, Hq, Dh] (after RoPE); k_ring/v_ring: [R, Hkv, Dh] (one layer, new rows already written);
+  q_THDh: [T, Hq, Dh] (after RoPE); k_ring/v_ring: [R, Hkv, Dh] (one layer, new rows already written);
   k_scale/v_scale: [R, Hkv] or None; q_pos_T: [T] absolute positions; length: positions written (int32).
   Key position p is visible to a query at q if p <= q and p >= length - R (not yet overwritten).
   Returns [T, Hq, Dh] float32.
   """
   k_ring, v_ring, k_scale, v_scale, layer = _stack(k_ring, v_ring, k_scale, v_scale, None)
-  return _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, lo_T=lo_T)
+  return _ref_core(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale, lo_T=lo_T)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale", "q_chunk"))
-def ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
+def ring_attention_ref_chunked(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
                                block: int, scale: float, q_chunk: int = PREFILL_Q_CHUNK):
   """The reference for prefill: queries in chunks of `q_chunk` (lax.map), each chunk visiting blocks only up
   to its own last position (causal: about half the blocks of one pass), with [q_chunk, Hq, block] scores
@@ -193,33 +191,38 @@ def ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T,
   k_ring, v_ring, k_scale, v_scale, layer = _stack(k_ring, v_ring, k_scale, v_scale, layer)
   length = jnp.asarray(length, jnp.int32)
   q_pos_T = jnp.asarray(q_pos_T, jnp.int32)
-  T, Hq, Dh = q_THD.shape
+  T, Hq, Dh = q_THDh.shape
   if T <= q_chunk:
-    return _ref_core(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale)
+    return _ref_core(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block, scale)
   n = -(-T // q_chunk)
   pad = n * q_chunk - T
-  q = jnp.pad(q_THD, ((0, pad), (0, 0), (0, 0))).reshape(n, q_chunk, Hq, Dh)
+  q = jnp.pad(q_THDh, ((0, pad), (0, 0), (0, 0))).reshape(n, q_chunk, Hq, Dh)
   pos = jnp.concatenate([q_pos_T, jnp.broadcast_to(q_pos_T[-1], (pad,))]).reshape(n, q_chunk)
   out = jax.lax.map(lambda qp: _ref_core(qp[0], k_ring, v_ring, k_scale, v_scale, qp[1], length, layer, block,
                                          scale), (q, pos))
   return out.reshape(n * q_chunk, Hq, Dh)[:T]
 
 
-def default_impl(T: int) -> str:
-  """On a GPU backend (CUDA or ROCm): DEFAULT_GPU_IMPL for decode/verify (T <= MAX_T), PREFILL_GPU_IMPL for
-  prefill; elsewhere "ref". Read at trace time."""
-  if on_gpu():
-    return DEFAULT_GPU_IMPL if T <= attention_pallas.MAX_T else PREFILL_GPU_IMPL
-  return "ref"
+def default_impl(T: int, tunings: Tunings | None = None) -> str:
+  """The impl a call of T queries takes without an explicit one: the tunings' attention_impl (decode and verify,
+  T <= MAX_T) or prefill_attention_impl (prefill) where set; else "pallas" on a GPU backend (CUDA or ROCm: the
+  decode kernel, and the prefill kernel, 286 against 325 ms with the chunked reference on the 30B prefill of
+  1,024 tokens on the H200, docs/PERF.md "Prefill"), "ref" elsewhere."""
+  chosen = pick(tunings, "attention_impl" if T <= attention_pallas.MAX_T else "prefill_attention_impl")
+  if chosen is not None:
+    return chosen
+  return "pallas" if on_gpu() else "ref"
 
 
-def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
-                   impl: str | None = None, layer=None, with_lse: bool = False, lo_T=None):
+def ring_attention(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, block: int, scale: float,
+                   impl: str | None = None, layer=None, with_lse: bool = False, lo_T=None,
+                   tunings: Tunings | None = None):
   """Dispatcher: the Pallas decode kernel (ops/attention_pallas.py, T <= MAX_T), the Pallas prefill kernel
   (ops/prefill_attention_pallas.py, T > MAX_T) or the jnp reference.
 
   impl (static): "ref" | "pallas" | "interpret" (the kernels in Pallas interpret mode, CPU tests) | None
-  (default_impl). Rings are one layer [R, Hkv, Dh] (layer None) or the whole stack
+  (default_impl, from `tunings`). tunings (static): the kernels' pieces (`attention`, `prefill_attention`) and the
+  impl choice. Rings are one layer [R, Hkv, Dh] (layer None) or the whole stack
   [L, R, Hkv, Dh] with `layer` (int or int32 scalar): pass the stack, since slicing `ring.k[L]` outside
   makes XLA copy the whole layer (R-proportional bytes) before a custom call or a loop.
   Under the default impl, shapes the kernel does not take (see attention_pallas.supported) fall back to the
@@ -229,8 +232,8 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
   lo_T: None, or each row's first visible position [T] (decode and verify, T <= MAX_T: the ring beside a host
   tier, where row t sees the window of the step at its position).
   """
-  T, Hq, Dh = q_THD.shape
-  chosen = impl or default_impl(T)
+  T, Hq, Dh = q_THDh.shape
+  chosen = impl or default_impl(T, tunings)
   if chosen not in IMPLS:
     raise ValueError(f"ring_attention: impl {impl!r}, expected one of {IMPLS}")
   if lo_T is not None and T > attention_pallas.MAX_T:
@@ -239,26 +242,26 @@ def ring_attention(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, *, 
     why = attention_pallas.supported(T, Hq, k_ring.shape[-2], Dh, block, k_ring)
     if why is None:
       return attention_pallas.ring_attention_pallas(
-          q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
-          interpret=chosen == "interpret", with_lse=with_lse, lo_T=lo_T)
+          q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
+          interpret=chosen == "interpret", with_lse=with_lse, lo_T=lo_T, tuning=pick(tunings, "attention"))
     if impl is not None:
       raise ValueError(f"ring_attention: impl={impl!r} cannot take this call: {why}")
   elif chosen != "ref":
     why = prefill_attention_pallas.supported(Hq, k_ring.shape[-2], Dh, block)
     if why is None:
       return prefill_attention_pallas.prefill_attention_pallas(
-          q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
-          interpret=chosen == "interpret", with_lse=with_lse)
+          q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block, scale=scale,
+          interpret=chosen == "interpret", with_lse=with_lse, tuning=pick(tunings, "prefill_attention"))
     if impl is not None:
       raise ValueError(f"ring_attention: impl={impl!r} cannot take this prefill call: {why}")
   if with_lse:
-    return attention_with_lse(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,
+    return attention_with_lse(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,
                               scale=scale, lo_T=lo_T)
   if lo_T is not None:
     k, v, ks, vs, layer = _stack(k_ring, v_ring, k_scale, v_scale, layer)
-    return _ref_core(q_THD, k, v, ks, vs, jnp.asarray(q_pos_T, jnp.int32), jnp.asarray(length, jnp.int32), layer,
+    return _ref_core(q_THDh, k, v, ks, vs, jnp.asarray(q_pos_T, jnp.int32), jnp.asarray(length, jnp.int32), layer,
                      block, scale, lo_T=lo_T)
   if layer is None and T <= PREFILL_Q_CHUNK:
-    return ring_attention_ref(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, block=block, scale=scale)
-  return ring_attention_ref_chunked(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,
+    return ring_attention_ref(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, block=block, scale=scale)
+  return ring_attention_ref_chunked(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer, block=block,
                                     scale=scale)

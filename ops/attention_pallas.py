@@ -32,7 +32,7 @@ Tiling.
           its split boundaries moved with the pass's first tile and tile count).
   loads   per tile: K, V [bk, Dh] of head h (strided by Hkv*Dh in the ring), converted to bf16 (float32 for
           tf32x3) in registers; int8 scales [bk] apply around the dots (never dequantized in memory).
-  dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh] on the tensor cores. Default (DEFAULT_DOTS,
+  dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh] on the tensor cores. Default (the table's,
           "bf16x2"): the ring's values are exact in bf16 (int8 integers, or a bf16 ring), so K and V load as
           bf16 and only q and p are split into a bf16 high part and a bf16 remainder: two bf16 MMAs per dot,
           float32 accumulation, ~16 significant bits of q and p (3e-6 relative against the float32
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,33 +64,42 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops.tuning import fill
+
 NEG_INF = -1e30          # as the reference: finite, so exp(NEG_INF - NEG_INF) = 1 never makes a NaN
 MAX_T = 8                # queries per call the kernel takes (decode, verify of up to 7 drafts); more -> reference
 TARGET_PROGRAMS = 256    # ~ two programs per SM on an H200 (132 SMs): S = TARGET_PROGRAMS / Hkv splits
 MAX_SPLITS = 64
 
-# head_dim -> (bk key tile, num_warps, num_stages). bk is further capped by the ring's block.
+class Tuning(NamedTuple):
+  """The kernel's tuning; a field left None takes the table's (`config`): bk key positions per tile (the table's
+  is capped by the ring's block), Triton warps and stages, the MMA scheme `dots` ("tf32x3" | "bf16x2"; float32
+  rings always run tf32x3, `dots_for`) and n_splits programs per kv head (`max_splits`)."""
+  bk: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+  dots: str | None = None
+  n_splits: int | None = None
+
+
+DOTS = ("tf32x3", "bf16x2")
+# head_dim -> tuning. bf16x2 for int8 and bf16 rings (exact in bf16): 30B step at 32K 8.28 -> 6.43 ms on the H200
+# (PERF.md).
 TUNING = {
-    64: (128, 4, 2),
-    128: (64, 4, 2),
-    256: (32, 4, 2),
+    64: Tuning(bk=128, num_warps=4, num_stages=2, dots="bf16x2"),
+    128: Tuning(bk=64, num_warps=4, num_stages=2, dots="bf16x2"),
+    256: Tuning(bk=32, num_warps=4, num_stages=2, dots="bf16x2"),
 }
-DEFAULT_TUNING = (64, 4, 2)
+DEFAULT_TUNING = Tuning(bk=64, num_warps=4, num_stages=2, dots="bf16x2")
 
 
-def tuning(head_dim: int, block: int) -> tuple[int, int, int]:
-  bk, warps, stages = TUNING.get(head_dim, DEFAULT_TUNING)
-  return min(bk, block), warps, stages
-
-
-def configure(spec: str) -> None:
-  """Set the kernel's defaults from 'dots[:bk:warps:stages]' (benchmarks' --attn_kernel; read at trace time):
-  DEFAULT_DOTS, and with the numbers the TUNING entry of every head_dim."""
-  global DEFAULT_DOTS
-  DEFAULT_DOTS, tune = parse_spec(spec)
-  if tune is not None:
-    for dh in TUNING:
-      TUNING[dh] = tune
+def config(head_dim: int, block: int, n_kv_heads: int, ring_dtype, tuning: Tuning | None = None) -> Tuning:
+  """The complete tuning of a call: TUNING[head_dim] (bk capped by the ring's block, n_splits `max_splits`) with
+  the fields `tuning` sets, dots as `dots_for` the ring's dtype."""
+  base = TUNING.get(head_dim, DEFAULT_TUNING)
+  base = base._replace(bk=min(base.bk, block), n_splits=max_splits(n_kv_heads))
+  c = fill(tuning, base)
+  return c._replace(dots=dots_for(c.dots, ring_dtype))
 
 
 def is_spec(spec: str) -> bool:
@@ -101,12 +111,16 @@ def is_spec(spec: str) -> bool:
   return True
 
 
-def parse_spec(spec: str) -> tuple[str, tuple[int, int, int] | None]:
-  """'dots[:bk:warps:stages]' -> (dots, (bk, warps, stages) or None); ValueError names what was expected."""
+def parse_spec(spec: str) -> Tuning:
+  """'dots[:bk:warps:stages]' (benchmarks' kernel variants) -> the Tuning it names; ValueError names what was
+  expected."""
   parts = spec.split(":")
   if parts[0] not in DOTS or len(parts) not in (1, 4) or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
     raise ValueError(f"attention kernel spec {spec!r}, expected dots[:bk:warps:stages] with dots in {DOTS}")
-  return parts[0], (tuple(int(x) for x in parts[1:]) if len(parts) == 4 else None)
+  if len(parts) == 1:
+    return Tuning(dots=parts[0])
+  bk, warps, stages = (int(x) for x in parts[1:])
+  return Tuning(bk=bk, num_warps=warps, num_stages=stages, dots=parts[0])
 
 
 def max_splits(n_kv_heads: int) -> int:
@@ -183,13 +197,9 @@ def _dot_bf16x2(a, b, b_contract: int):
           + lax.dot_general(a_lo, b, dims, preferred_element_type=jnp.float32))
 
 
-DOTS = ("tf32x3", "bf16x2")
-DEFAULT_DOTS = "bf16x2"   # int8 and bf16 rings (exact in bf16); 30B step at 32K 8.28 -> 6.43 ms on the H200 (PERF.md)
-
-
 def dots_for(dots: str | None, ring_dtype) -> str:
-  """The dot mode a call runs: `dots` or DEFAULT_DOTS; float32 rings always 3xTF32 (not exact in bf16)."""
-  dots = dots or DEFAULT_DOTS
+  """The dot mode a call runs: `dots` (None: bf16x2); float32 rings always 3xTF32 (not exact in bf16)."""
+  dots = dots or "bf16x2"
   if dots not in DOTS:
     raise ValueError(f"ring_attention_pallas: dots {dots!r}, expected one of {DOTS}")
   return "tf32x3" if jnp.dtype(ring_dtype) == jnp.float32 else dots
@@ -236,11 +246,6 @@ def as_stack(k_ring, v_ring, k_scale, v_scale, layer):
   return k_ring[None], v_ring[None], k_scale, v_scale, 0
 
 
-# True: the kernel gathers and scales its q rows (no XLA kernel before it); False: the scaled, padded [Hkv * P, Dh]
-# layout made by XLA, as before 2026-12-01 (kept for the A/B: bench_step --glue on/gatherq=0).
-GATHER_Q = True
-
-
 def gather_rows(q_ref, qpos_ref, h, *, T: int, G: int, P: int, scale: float):
   """Rows of kv head h for a program: q [P, Dh] (scaled) and rowpos [P], row r = t*G + g taken straight from q
   [T*Hq, Dh] (row t*Hq + h*G + g) and the query positions [T]; rows r >= T*G repeat a real row and get position -1
@@ -260,8 +265,7 @@ def row_values(ref, *, T: int, G: int, P: int):
 
 
 def _kernel(meta_ref, qpos_ref, lo_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
-            count_visits: bool, tc: bool, dots: str, T: int, G: int, P: int, scale: float, gather: bool,
-            n_splits: int):
+            count_visits: bool, tc: bool, dots: str, T: int, G: int, P: int, scale: float, n_splits: int):
   """Program (h, s): online softmax of q rows of kv head h over its live tiles i (i mod S == s), each row masked
   to its own window [lo_t, q_pos_t]."""
   ks_ref, vs_ref = (None, None)
@@ -276,12 +280,7 @@ def _kernel(meta_ref, qpos_ref, lo_ref, q_ref, k_ref, v_ref, *refs, bk: int, cap
   start, count = strided_tiles(s, first, end, n_splits)
   oldest = row_values(lo_ref, T=T, G=G, P=P)[:, None]           # [P, 1]: each row's first visible position
 
-  if gather:
-    q, rowpos = gather_rows(q_ref, qpos_ref, h, T=T, G=G, P=P, scale=scale)  # [P, Dh] scaled, [P] (-1: padding)
-  else:
-    r = lax.broadcasted_iota(jnp.int32, (P,), 0)
-    q = q_ref[pl.ds(pl.multiple_of(h * P, P), P), :]
-    rowpos = jnp.where(r < T * G, qpos_ref[jnp.minimum(r // G, T - 1)], -1)
+  q, rowpos = gather_rows(q_ref, qpos_ref, h, T=T, G=G, P=P, scale=scale)    # [P, Dh] scaled, [P] (-1: padding)
   Dh = q.shape[1]
   body = functools.partial(tile_step, q=q, rowpos=rowpos, k_ref=k_ref, v_ref=v_ref, ks_ref=ks_ref, vs_ref=vs_ref,
                            layer=layer, h=h, oldest=oldest, bk=bk, capacity=capacity, tc=tc, dots=dots)
@@ -293,36 +292,30 @@ def _kernel(meta_ref, qpos_ref, lo_ref, q_ref, k_ref, v_ref, *refs, bk: int, cap
     cnt_ref[0][...] = jnp.full((P,), count, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bk", "n_splits", "count_visits",
-                                             "num_warps", "num_stages", "dots", "with_lse"))
-def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
-                          block: int, scale: float, interpret: bool = False, bk: int | None = None,
-                          n_splits: int | None = None, count_visits: bool = False, num_warps: int | None = None,
-                          num_stages: int | None = None, dots: str | None = None, with_lse: bool = False,
-                          lo_T=None):
+@functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "count_visits", "tuning", "with_lse"))
+def ring_attention_pallas(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *,
+                          block: int, scale: float, interpret: bool = False, count_visits: bool = False,
+                          tuning: Tuning | None = None, with_lse: bool = False, lo_T=None):
   """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref. Returns [T, Hq, Dh] float32.
 
   lo_T: None (every row sees positions >= max(length - R, 0)) or int32 [T], row t's first visible position
   (at least length - R: older slots are overwritten).
 
   k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
-  k_scale/v_scale: [(L,) R, Hkv] or None. bk, n_splits, num_warps, num_stages override the tuning table (tests,
-  bench.attention); dots picks the MMA scheme ("tf32x3" | "bf16x2", default DEFAULT_DOTS, see dots_for).
+  k_scale/v_scale: [(L,) R, Hkv] or None. tuning (static): the fields to set over the table (`config`: tile,
+  warps, stages, MMA scheme, splits).
   With with_lse, returns (out, lse [T, Hq]): the log-sum-exp of each row's scaled scores (-inf where no key was
   visible), as ops.attention.attention_with_lse, for an exact merge with another partial (the host tier).
   With count_visits, also returns the number of tiles each program visited, [Hkv, S] int32.
   """
   k_ring, v_ring, k_scale, v_scale, layer = as_stack(k_ring, v_ring, k_scale, v_scale, layer)
-  T, Hq, Dh = q_THD.shape
+  T, Hq, Dh = q_THDh.shape
   _, R, Hkv, _ = k_ring.shape
   G = Hq // Hkv
-  tile, warps, stages = tuning(Dh, block)
-  bk = bk or tile
-  warps, stages = num_warps or warps, num_stages or stages
-  dots = dots_for(dots, k_ring.dtype)
+  c = config(Dh, block, Hkv, k_ring.dtype, tuning)
+  bk, S = c.bk, c.n_splits
   if block % bk or R % block:
     raise ValueError(f"ring_attention_pallas: need bk={bk} | block={block} | R={R}")
-  S = n_splits or max_splits(Hkv)
   P = rows_padded(T, G)
   quant = k_scale is not None
 
@@ -334,11 +327,7 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
   n_tiles = jnp.max(q_pos_T) // bk - first + 1
   meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, n_tiles, 0, 0, 0, 0, 0]).astype(jnp.int32)
 
-  if GATHER_Q:
-    q = q_THD.astype(jnp.float32).reshape(T * Hq, Dh)      # a free reshape: rows are gathered in the kernel
-  else:                                                    # the layout before: one XLA kernel per call
-    q = (q_THD.astype(jnp.float32) * scale).reshape(T, Hkv, G, Dh).transpose(1, 0, 2, 3).reshape(Hkv * T * G, Dh)
-    q = jnp.pad(q.reshape(Hkv, T * G, Dh), ((0, 0), (0, P - T * G), (0, 0))).reshape(Hkv * P, Dh)
+  q = q_THDh.astype(jnp.float32).reshape(T * Hq, Dh)     # a free reshape: rows are gathered in the kernel
 
   whole = lambda x: pl.BlockSpec(x.shape, lambda h, s: (0,) * x.ndim)
   in_specs = [whole(meta), whole(q_pos_T), whole(lo_T), whole(q), whole(k_ring), whole(v_ring)]
@@ -356,10 +345,10 @@ def ring_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, leng
     out_shape.append(jax.ShapeDtypeStruct((Hkv, S, P), jnp.int32))
     out_specs.append(pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)))
   kernel = functools.partial(_kernel, bk=bk, capacity=R, quant=quant, count_visits=count_visits, tc=not interpret,
-                             dots=dots, T=T, G=G, P=P, scale=scale, gather=GATHER_Q, n_splits=S)
+                             dots=c.dots, T=T, G=G, P=P, scale=scale, n_splits=S)
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=in_specs, out_specs=out_specs,
-      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+      compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
       interpret=interpret, name="ring_decode_attention")(*args)
   if _is_pow2(G):
     out = merge_splits(*outs[:3], T=T, G=G, with_lse=with_lse, interpret=interpret)

@@ -4,7 +4,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ops import qmatmul
 from ops.qtensor import QTensor, as_dense
+from ops.tuning import Tunings
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -14,17 +16,17 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   return x * jax.lax.rsqrt(ms + eps) * w.astype(jnp.float32)
 
 
-def rope_neox(x_THD: jax.Array, pos_T: jax.Array, rope_dim: int, theta: float) -> jax.Array:
+def rope_neox(x_THDh: jax.Array, pos_T: jax.Array, rope_dim: int, theta: float) -> jax.Array:
   """NEOX rotary embedding on the first `rope_dim` dims of each head.
 
   Pairs (i, i + rope_dim/2) rotate by pos * theta^(-2i/rope_dim); dims past rope_dim pass through
-  (partial rotary, as glm4moe). x: [T, H, D], pos: [T] int32 absolute positions.
+  (partial rotary, as glm4moe). x: [T, H, Dh], pos: [T] int32 absolute positions.
   """
   half = rope_dim // 2
   inv_freq = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / rope_dim)
   ang = pos_T.astype(jnp.float32)[:, None] * inv_freq[None, :]          # [T, half]
   cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]         # [T, 1, half]
-  x = x_THD.astype(jnp.float32)
+  x = x_THDh.astype(jnp.float32)
   x1, x2, rest = x[..., :half], x[..., half:rope_dim], x[..., rope_dim:]
   out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
   if rest.shape[-1]:
@@ -32,11 +34,13 @@ def rope_neox(x_THD: jax.Array, pos_T: jax.Array, rope_dim: int, theta: float) -
   return jnp.concatenate(out, axis=-1)
 
 
-def linear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
-  """y = x @ w.T (+ b); w is [out, in] as GGUF stores it (dense or packed QTensor)."""
+def linear(x: jax.Array, w, b: jax.Array | None = None, *, tunings: Tunings | None = None,
+           precision: str = "auto") -> jax.Array:
+  """y = x @ w.T (+ b); w is [out, in] as GGUF stores it (dense or packed QTensor). A QTensor goes through
+  ops.qmatmul.qmatmul (the Pallas kernels on a GPU, dequantize-then-dot elsewhere) with `tunings` (static) and
+  `precision` (the prefill GEMM's: "auto" | "f32" | "bf16")."""
   if isinstance(w, QTensor):
-    from ops import qmatmul  # the dispatcher: Pallas kernel on GPU, dequantize-then-dot reference elsewhere
-    y = qmatmul.qmatmul(x, w)
+    y = qmatmul.qmatmul(x, w, tunings=tunings, precision=precision)
   else:
     y = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), as_dense(w))
   if b is not None:

@@ -1,33 +1,32 @@
 """Routed-expert FFN as two Pallas kernels (Triton lowering) over packed experts: only the routed experts are read.
 
-For T <= 16 tokens with top-K routing, P = T*K (token, expert) pairs, p = t*K + k:
+For T <= 16 tokens with top-X routing, P = T*X (token, expert) pairs, p = t*X + k:
 
   1. gate/up: grid (F / BN, P), row tiles fastest. Program (i, p) loads its expert id e = ids[p] (an int32
      input, no scalar prefetch), reads rows [i*BN, i*BN + BN) of gate[e] and up[e] (QTensor planes
      [E, F, nb, ...]) over the whole D, dequantizes in registers (the tiles of ops/qmatmul_pallas) and writes
      h[p, rows] = silu(gate . x_t) * (up . x_t), straight into the down type's x layout (natural order, or the
-     permuted view through `x_view_index`: qmatmul_pallas.NATURAL_X_MAX_B), so no op runs between the two
-     kernels. Optionally (tile option KS > 1) D is split over KS programs per row tile
-     and pair; they write partial sums that XLA adds in a fixed order before SiLU(g) * u (more programs in
-     flight at B = 1, where the grid is only F / BN x K programs).
+     permuted view through `x_view_index`: the down tile's natural_b), so no op runs between the two kernels.
+     Optionally (Tuning.ks > 1) D is split over KS programs per row tile and pair; they write partial sums that
+     XLA adds in a fixed order before SiLU(g) * u (more programs in flight at B = 1, where the grid is only
+     F / BN x X programs).
   2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
-     y[p, rows] = w[p] * (down[e] . h[p]). The K partial rows of a token are summed afterwards in a fixed order
-     (a [T, K, D] -> [T, D] reduction XLA fuses), so the result is deterministic and every program is short:
-     at B = 1 the down grid has D / BN * K programs instead of D / BN, which is what keeps the SMs busy. Tile
-     option KSUM (off by default, an A/B): grid (D / BN, T), each program loops over its token's K pairs and
-     writes the sum itself, in the same order; one XLA launch fewer per layer, K times fewer programs.
+     y[p, rows] = w[p] * (down[e] . h[p]). The X partial rows of a token are summed afterwards in a fixed order
+     (a [T, X, D] -> [T, D] reduction XLA fuses), so the result is deterministic and every program is short:
+     at B = 1 the down grid has D / BN * X programs instead of D / BN, which is what keeps the SMs busy.
 
 Stacked layers: planes may carry a leading layer dim ([L, E, F, nb, ...]) with `layer` an int32 scalar; the
 kernels index `[layer, e, rows, ...]` themselves. A model that scans over layers then holds one instance of
 each kernel (XLA compiles every Triton custom call on its own) and XLA never copies a layer's slab out of the
 stack to feed the custom call (it would: an operand sliced from a stacked array is materialised first).
 
-Nothing dequantized is written to memory; h is P x F float32. Tile sizes: ops/qmatmul_pallas.TUNING, with the
-per-kernel overrides of `MOE_TUNING` below. Reference: ops/moe.moe_ref.
+Nothing dequantized is written to memory; h is P x F float32. Tile sizes: `Tuning` over the table `TUNING` (the
+qmatmul tiles with each kernel's S). Reference: ops/moe.moe_ref.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +34,27 @@ from jax.experimental import pallas as pl
 
 from ops import qmatmul_pallas as qp
 from ops import quant, repack
+from ops.tuning import fill
 
 F32, I32 = jnp.float32, jnp.int32
 
-# (kernel, qtype) -> overrides of qp.TUNING; "gateup" tiles F rows of gate and up, "down" tiles D rows.
-MOE_TUNING: dict[tuple[str, str], dict] = {("down", q): dict(S=1 if qp.quant.GGML_TYPES[q][0] == 256 else 8)
-                                           for q in qp.KERNEL_TYPES}
-MOE_TUNING.update({("gateup", q): dict(S=2 if qp.quant.GGML_TYPES[q][0] == 256 else 16) for q in qp.KERNEL_TYPES})
+
+class Tuning(NamedTuple):
+  """The gate/up and down kernels' tiles (qmatmul_pallas.Tuning; fields left None take `TUNING[kernel, qtype]`)
+  and ks, a split of gate/up's D blocks over KS programs (a power of two dividing them; None or 1: off): at B = 1
+  it multiplies the programs in flight by KS, and XLA adds the KS partial sums."""
+  gateup: qp.Tuning | None = None
+  down: qp.Tuning | None = None
+  ks: int | None = None
+
+
+# (kernel, qtype) -> tile: the type's qmatmul tile with the S of each kernel; "gateup" tiles F rows of gate and up,
+# "down" tiles D rows.
+TUNING: dict[tuple[str, str], qp.Tuning] = {}
+for _q in qp.KERNEL_TYPES:
+  _super = qp.quant.GGML_TYPES[_q][0] == 256
+  TUNING["gateup", _q] = qp.TUNING[_q]._replace(S=2 if _super else 16)
+  TUNING["down", _q] = qp.TUNING[_q]._replace(S=1 if _super else 8)
 
 
 def _lead(lid_ref, e):
@@ -49,7 +62,7 @@ def _lead(lid_ref, e):
   return (e,) if lid_ref is None else (lid_ref[0], e)
 
 
-def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb, unroll, down_qtype, stacked,
+def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_qtype, stacked,
                    KS, natural, natural_h):
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   if KS > 1:
@@ -60,7 +73,7 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
   G, U = dict(zip(names, w_refs[:n])), dict(zip(names, w_refs[n:]))
   p = pl.program_id(1)
   pre = _lead(lid_ref, ids_ref[p])
-  t = p // K
+  t = p // X
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), F - 1)
 
   off = pl.program_id(2) * (nb // KS) if KS > 1 else 0           # split K: this program's share of the blocks
@@ -82,76 +95,50 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, K, F, BN, S, nb
   h_ref[p, rows if natural_h else qp.x_view_index(down_qtype, rows)] = h
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural,
-                 ksum):
+def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural):
+  """Program (i, p): w[p] * (down[ids[p]] . h[p]) over rows [i*BN, i*BN + BN)."""
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), D - 1)
+  p = pl.program_id(1)
+  pre = _lead(lid_ref, ids_ref[p])
 
-  def pair(p):                               # w[p] * (down[ids[p]] . h[p]) over this program's rows
-    pre = _lead(lid_ref, ids_ref[p])
+  def tile_sums(b0, s):
+    xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
+    y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+    return (qp.row_sums(y),)
 
-    def tile_sums(b0, s):
-      xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
-      y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
-      return (qp.row_sums(y),)
-
-    (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
-    return w_ref[p] * y
-
-  if not ksum:                               # program (i, p): one pair's rows
-    p = pl.program_id(1)
-    o_ref[p, rows] = pair(p)
-    return
-  t = pl.program_id(1)                       # program (i, t): the token's K pairs summed in order, ((y0 + y1) + ...)
-  o_ref[t, rows] = jax.lax.fori_loop(1, ksum, lambda k, acc: acc + pair(t * ksum + k), pair(t * ksum))
+  (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
+  o_ref[p, rows] = w_ref[p] * y
 
 
-def supported(x_TD, ids_TK, gate, up, down) -> bool:
-  T = ids_TK.shape[0]
+def supported(x_TD, ids_TX, gate, up, down) -> bool:
+  T = ids_TX.shape[0]
   return (gate.qtype == up.qtype and gate.qtype in qp.TILES and down.qtype in qp.TILES and 1 <= T <= qp.MAX_B
           and len(gate.shape) == 3)
 
 
-def _cfg(kernel, qtype, rows, nb, overrides):
-  """Tile sizes of one kernel; gate/up also takes KS, a split of D's nb blocks over KS programs (a power of two
-  dividing nb; 1 = off): at B = 1 it multiplies the programs in flight by KS, and XLA adds the KS partial sums."""
-  o = dict(MOE_TUNING.get((kernel, qtype), {}))
-  o.update((overrides or {}).get(kernel, {}))
-  ks = int(o.pop("KS", 1))
-  if ks != 1 and kernel != "gateup":
-    raise ValueError(f"moe_pallas {kernel}: KS (split K) applies to the gate/up kernel only")
-  ksum = bool(o.pop("KSUM", False))
-  if ksum and kernel != "down":
-    raise ValueError(f"moe_pallas {kernel}: KSUM (the top-k sum in the kernel) applies to the down kernel only")
-  if ks < 1 or nb % ks or ks & (ks - 1):
-    raise ValueError(f"moe_pallas {kernel}: KS={ks} must be a power of two dividing {nb} blocks")
-  c = qp.config(qtype, rows, nb // ks, o)
-  if kernel == "gateup":
-    c["KS"] = ks
-  else:
-    c["KSUM"] = ksum
-  return tuple(sorted(c.items()))
+def _cfg(kernel, qtype, rows, nb, tile):
+  """One kernel's tile: TUNING[kernel, qtype] with the fields `tile` sets, clipped (qmatmul_pallas.config)."""
+  return qp.config(qtype, rows, nb, fill(tile, TUNING[kernel, qtype]))
 
 
-@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd"))
-def _moe(x_TD, ids_TK, w_TK, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd):
-  T, K = ids_TK.shape
-  P = T * K
-  ids = ids_TK.reshape(P).astype(I32)
+@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS"))
+def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd, KS):
+  T, X = ids_TX.shape
+  P = T * X
+  ids = ids_TX.reshape(P).astype(I32)
   stacked = layer is not None
   lid = () if layer is None else (jnp.asarray(layer, I32).reshape(1),)
-  cg, cd = dict(cg), dict(cd)
   nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
   names_g, names_d = repack.plane_names(gq), repack.plane_names(dq)
-  KS = cg["KS"]
-  nat_g, nat_d = qp.x_natural(gq, 1), qp.x_natural(dq, 1)     # one token (or pair) per program in both kernels
-  gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, K=K, F=F, BN=cg["BN"], S=cg["S"],
-                             nb=nbD, unroll=cg["unroll"], down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
+  nat_g, nat_d = qp.x_natural(cg, 1), qp.x_natural(cd, 1)     # one token (or pair) per program in both kernels
+  gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, X=X, F=F, BN=cg.BN, S=cg.S,
+                             nb=nbD, unroll=cg.unroll, down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
                              natural_h=nat_d)
   parts = pl.pallas_call(
-      gateup, grid=(pl.cdiv(F, cg["BN"]), P, KS),
+      gateup, grid=(pl.cdiv(F, cg.BN), P, KS),
       out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
   )(ids, qp.x_input(x_TD.astype(F32), gq, nat_g), qp.table(gq), *lid, *gplanes, *uplanes)
@@ -162,35 +149,35 @@ def _moe(x_TD, ids_TK, w_TK, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
     h = parts
   view = qp.XVIEW[dq] if nat_d else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
   h = h.reshape(P, nbF, *view)                                             # the x layout of dq
-  ksum = K if cd["KSUM"] else 0
-  down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd["BN"], S=cd["S"], nb=nbF,
-                           unroll=cd["unroll"], stacked=stacked, natural=nat_d, ksum=ksum)
-  rows_out = T if ksum else P
+  down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd.BN, S=cd.S, nb=nbF,
+                           unroll=cd.unroll, stacked=stacked, natural=nat_d)
   y = pl.pallas_call(
-      down, out_shape=jax.ShapeDtypeStruct((rows_out, D), F32), grid=(pl.cdiv(D, cd["BN"]), rows_out),
+      down, out_shape=jax.ShapeDtypeStruct((P, D), F32), grid=(pl.cdiv(D, cd.BN), P),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",
-  )(ids, w_TK.reshape(P).astype(F32), h, qp.table(dq), *lid, *dplanes)
-  if ksum:
-    return y
-  y = y.reshape(T, K, D)
+  )(ids, w_TX.reshape(P).astype(F32), h, qp.table(dq), *lid, *dplanes)
+  y = y.reshape(T, X, D)
   out = y[:, 0]
-  for k in range(1, K):                      # fixed order: out = ((y0 + y1) + y2) + ...
+  for k in range(1, X):                      # fixed order: out = ((y0 + y1) + y2) + ...
     out = out + y[:, k]
   return out
 
 
-def moe_pallas(x_TD, ids_TK, w_TK, gate, up, down, *, layer=None, interpret: bool = False,
-               overrides: dict | None = None):
+def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: bool = False,
+               tuning: Tuning | None = None):
   """sum_k w[t, k] * down[e](silu(gate[e] x_t) * up[e] x_t), e = ids[t, k]; packed QTensor experts
   gate/up [E, F, D], down [E, D, F]; T <= 16. With `layer` (an int32 scalar, may be traced) the experts are
   stacked over layers, [L, E, F, D] / [L, E, D, F], and layer `layer` is used without slicing it out.
-  overrides: {"gateup": {...}, "down": {...}} tile sizes."""
+  tuning (static): the tiles' fields to set over TUNING, and the split ks."""
   g3, u3, d3 = (w if layer is None else w[0] for w in (gate, up, down))   # per-layer view, for the checks only
-  if not supported(x_TD, ids_TK, g3, u3, d3) or len(gate.shape) != 3 + (layer is not None):
-    raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} {gate.shape} with {ids_TK.shape[0]} "
+  if not supported(x_TD, ids_TX, g3, u3, d3) or len(gate.shape) != 3 + (layer is not None):
+    raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} {gate.shape} with {ids_TX.shape[0]} "
                      f"tokens{'' if layer is None else ' and a layer index'}")
   E, F, D = g3.shape
   nbD, nbF = D // quant.GGML_TYPES[gate.qtype][0], F // quant.GGML_TYPES[down.qtype][0]
-  return _moe(x_TD, ids_TK, w_TK, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
-              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret,
-              cg=_cfg("gateup", gate.qtype, F, nbD, overrides), cd=_cfg("down", down.qtype, D, nbF, overrides))
+  t = tuning or Tuning()
+  ks = int(t.ks or 1)
+  if ks < 1 or nbD % ks or ks & (ks - 1):
+    raise ValueError(f"moe_pallas gateup: ks={ks} must be a power of two dividing {nbD} blocks")
+  return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
+              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks,
+              cg=_cfg("gateup", gate.qtype, F, nbD // ks, t.gateup), cd=_cfg("down", down.qtype, D, nbF, t.down))

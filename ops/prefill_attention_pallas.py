@@ -25,6 +25,7 @@ tier's part (ops/attention.merge_lse), so prefill beside a tier runs the kernel 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,21 +34,39 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.attention_pallas import _is_pow2, as_stack, dots_for, init_carry, live_tiles, tile_step
+from ops.tuning import fill
 
-# head_dim -> (BM rows per program, bk key tile, num_warps, num_stages); bk is further capped by the ring's block.
+class Tuning(NamedTuple):
+  """The kernel's tuning; a field left None takes the table's (`config`): bm rows per program (BQ = bm / G queries
+  of the G heads of one kv head, at least 16 rows), bk key positions per tile (the table's is capped by the
+  ring's block), Triton warps and stages, the MMA scheme (attention_pallas.dots_for)."""
+  bm: int | None = None
+  bk: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+  dots: str | None = None
+
+
+# head_dim -> tuning.
 TUNING = {
-    64: (64, 64, 4, 2),
-    128: (64, 64, 4, 2),
-    256: (32, 32, 4, 2),
+    64: Tuning(bm=64, bk=64, num_warps=4, num_stages=2, dots="bf16x2"),
+    128: Tuning(bm=64, bk=64, num_warps=4, num_stages=2, dots="bf16x2"),
+    256: Tuning(bm=32, bk=32, num_warps=4, num_stages=2, dots="bf16x2"),
 }
-DEFAULT_TUNING = (64, 64, 4, 2)
+DEFAULT_TUNING = Tuning(bm=64, bk=64, num_warps=4, num_stages=2, dots="bf16x2")
 
 
-def tuning(head_dim: int, block: int, G: int) -> tuple[int, int, int, int]:
-  """(BQ queries per program, bk, warps, stages) for this head_dim, ring block and group size G."""
-  bm, bk, warps, stages = TUNING.get(head_dim, DEFAULT_TUNING)
-  bq = max(1, bm // G, -(-16 // G))           # at least 16 rows: tl.dot needs M >= 16
-  return bq, min(bk, block), warps, stages
+def config(head_dim: int, block: int, ring_dtype, tuning: Tuning | None = None) -> Tuning:
+  """The complete tuning of a call: TUNING[head_dim] (bk capped by the ring's block) with the fields `tuning`
+  sets, dots as `dots_for` the ring's dtype."""
+  base = TUNING.get(head_dim, DEFAULT_TUNING)
+  c = fill(tuning, base._replace(bk=min(base.bk, block)))
+  return c._replace(dots=dots_for(c.dots, ring_dtype))
+
+
+def queries_per_program(bm: int, G: int) -> int:
+  """BQ for bm rows and group size G: at least 16 rows (tl.dot needs M >= 16)."""
+  return max(1, bm // G, -(-16 // G))
 
 
 def supported(n_heads: int, n_kv_heads: int, head_dim: int, block: int) -> str | None:
@@ -80,18 +99,15 @@ def _kernel(meta_ref, rowpos_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity:
     lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "bq", "bk", "num_warps", "num_stages",
-                                             "dots", "with_lse"))
-def prefill_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int,
-                             scale: float, interpret: bool = False, bq: int | None = None, bk: int | None = None,
-                             num_warps: int | None = None, num_stages: int | None = None,
-                             dots: str | None = None, with_lse: bool = False):
+@functools.partial(jax.jit, static_argnames=("block", "scale", "interpret", "tuning", "with_lse"))
+def prefill_attention_pallas(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, length, layer=None, *, block: int,
+                             scale: float, interpret: bool = False, tuning: Tuning | None = None,
+                             with_lse: bool = False):
   """softmax(q k^T * scale) v over live causal keys, as ring_attention_ref, for any T. Returns [T, Hq, Dh] float32,
   and with with_lse (out, lse [T, Hq]) as ops.attention.attention_with_lse.
 
   k_ring/v_ring: [R, Hkv, Dh] (one layer, layer=None) or [L, R, Hkv, Dh] with `layer` an int32 scalar;
-  k_scale/v_scale: [(L,) R, Hkv] or None. bq, bk, num_warps, num_stages override the tuning table; dots as
-  attention_pallas.dots_for.
+  k_scale/v_scale: [(L,) R, Hkv] or None. tuning (static): the fields to set over the table (`config`).
 
   >>> import numpy as np
   >>> from ops.attention import ring_attention_ref
@@ -105,21 +121,20 @@ def prefill_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, l
   True
   """
   k_ring, v_ring, k_scale, v_scale, layer = as_stack(k_ring, v_ring, k_scale, v_scale, layer)
-  T, Hq, Dh = q_THD.shape
+  T, Hq, Dh = q_THDh.shape
   _, R, Hkv, _ = k_ring.shape
   G = Hq // Hkv
   why = supported(Hq, Hkv, Dh, block)
   if why is not None:
     raise ValueError(f"prefill_attention_pallas: {why}")
-  tq, tk, warps, stages = tuning(Dh, block, G)
-  bq, bk = bq or tq, bk or tk
-  warps, stages = num_warps or warps, num_stages or stages
+  c = config(Dh, block, k_ring.dtype, tuning)
+  bq, bk = queries_per_program(c.bm, G), c.bk
   if block % bk or R % block:
     raise ValueError(f"prefill_attention_pallas: need bk={bk} | block={block} | R={R}")
   BM = bq * G
   if not _is_pow2(BM) or BM < 16:
     raise ValueError(f"prefill_attention_pallas: bq={bq} x G={G} = {BM} rows, expected a power of two >= 16")
-  dots = dots_for(dots, k_ring.dtype)
+  dots = c.dots
   quant = k_scale is not None
   nq = -(-T // bq)
   pad = nq * bq - T
@@ -130,7 +145,7 @@ def prefill_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, l
   oldest = jnp.maximum(length - R, 0)
   meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, oldest, 0]).astype(jnp.int32)
 
-  q = jnp.pad(q_THD.astype(jnp.float32) * scale, ((0, pad), (0, 0), (0, 0)))
+  q = jnp.pad(q_THDh.astype(jnp.float32) * scale, ((0, pad), (0, 0), (0, 0)))
   q = q.reshape(nq, bq, Hkv, G, Dh).transpose(2, 0, 1, 3, 4).reshape(Hkv, nq, BM, Dh)
   rowpos = jnp.repeat(jnp.pad(q_pos_T, (0, pad), constant_values=-1), G).reshape(nq, BM)
 
@@ -149,7 +164,7 @@ def prefill_attention_pallas(q_THD, k_ring, v_ring, k_scale, v_scale, q_pos_T, l
   outs = pl.pallas_call(
       functools.partial(_kernel, bk=bk, capacity=R, quant=quant, tc=not interpret, dots=dots, with_lse=with_lse),
       out_shape=out_shape, grid=(Hkv, nq), in_specs=in_specs, out_specs=out_specs,
-      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages), interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages), interpret=interpret,
       name="ring_prefill_attention")(*args)
   out = outs[0].reshape(Hkv, nq, bq, G, Dh).transpose(1, 2, 0, 3, 4).reshape(nq * bq, Hq, Dh)[:T]
   if not with_lse:

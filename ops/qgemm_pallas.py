@@ -15,30 +15,33 @@ per lane. x is laid out to match (`x_pieces`: [R, lanes, nb * words]), so lane l
 a block's value index into lane and word axes; `tests/ops/test_kernels.py` checks the pieces against x_pieces of
 the dequantized weights.
 
-Precision (the float32-accurate form "presplit"; GEMM_FORMS lists the others, and the GPU default is "x1", one
-bf16 MMA): w (float32, from the integer codes and scales, as in the decode tiles) is split into hi = bf16(w) and
+Precision (`form`: "presplit", float32-accurate, or "x1", one bf16 MMA, the GPU default): in "presplit" w
+(float32, from the integer codes and scales, as in the decode tiles) is split into hi = bf16(w) and
 lo = bf16(w - hi) in the kernel; x likewise, once, by XLA (`split_bf16_xla`, rounding on the bits: XLA on a GPU
 drops a float32 -> bf16 -> float32 round trip as "excess precision", which zeroed lo once: 1.7e-3 error on the
 H200). Then acc += xh.wh, += xl.wh, += xh.wl: three bf16 MMAs, each accumulating into acc itself (the form
 Triton folds into the MMA: no second accumulator, no spills; `scripts/kernel_sass.py`), float32 accumulation,
-~16 significant bits per operand (relative error ~1e-5 per dot). The decode kernels use
-float32 FMAs instead. Prefill feeds the ring that every later step reads, plain and speculative alike, so this
-changes no greedy-exactness invariant.
+~16 significant bits per operand (relative error ~1e-5 per dot). The decode kernels use float32 FMAs instead.
+Prefill feeds the ring that every later step reads, plain and speculative alike, so this changes no
+greedy-exactness invariant.
 
 Reference: ops/qmatmul.qmatmul_ref (dense) and ops/moe.moe_ref (grouped, via ops/moe_grouped_pallas). Tile sizes:
-`TUNING` (BN, S, warps; both clipped to divisors of the rows and blocks) and M (rows per tile) from the caller. Tests: interpret mode on CPU against the references
-for every type, and lowering for an abstract CUDA and ROCm device (tests/ops/test_lowering.py).
+`Tuning` over the table `TUNING` (BN, S, warps; clipped to divisors of the rows and blocks) and M (rows per tile)
+from the caller. Tests: interpret mode on CPU against the references for every type, and lowering for an
+abstract CUDA and ROCm device (tests/ops/test_lowering.py).
 """
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ops import quant, repack
+from ops.tuning import fill
 from ops.qmatmul_pallas import (ONE, Q8_FLIP, KERNEL_TYPES, _f16hi, _f16lo, _f32, _iota, _shl,
                                 compiler_params, iq3s_grid, table)
 
@@ -56,16 +59,28 @@ PIECES = {
 }
 assert set(PIECES) == set(KERNEL_TYPES)
 
-# BN weight rows per program, S blocks per K step (S * words ~ 64 values per piece), Triton warps and stages.
-# H200 (PERF "Prefill"): BN 64 beat 32 and 128 for Q8_0, IQ3_S and Q4_K at M = 64; larger S was slower.
-TUNING: dict[str, dict] = {
-    "Q8_0": dict(BN=64, S=8, num_warps=4, num_stages=1),
-    "Q4_K": dict(BN=64, S=2, num_warps=4, num_stages=1),
-    "Q5_K": dict(BN=64, S=2, num_warps=4, num_stages=1),
-    "Q6_K": dict(BN=64, S=2, num_warps=4, num_stages=1),
-    "IQ3_S": dict(BN=64, S=4, num_warps=4, num_stages=1),
-    "IQ4_NL": dict(BN=64, S=16, num_warps=4, num_stages=1),
-    "IQ4_XS": dict(BN=64, S=2, num_warps=4, num_stages=1),
+class Tuning(NamedTuple):
+  """A GEMM tile; a field left None takes the type's entry in `TUNING`. BN weight rows per program and S blocks per
+  K step (S * words ~ 64 values per piece; both clipped to powers of two dividing the rows and the blocks), Triton
+  warps and stages, and rows: the most rows per row tile M of a dense projection (`rows_per_tile`; the grouped
+  kernel's M is its own, ops/moe_grouped_pallas)."""
+  BN: int | None = None
+  S: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+  rows: int | None = None
+
+
+# H200 (PERF "Prefill"): BN 64 beat 32 and 128 for Q8_0, IQ3_S and Q4_K at M = 64; larger S was slower; 128 rows
+# per dense row tile against 64: 321.7 against 356.0 ms on the 30B prefill.
+TUNING: dict[str, Tuning] = {
+    "Q8_0": Tuning(BN=64, S=8, num_warps=4, num_stages=1, rows=128),
+    "Q4_K": Tuning(BN=64, S=2, num_warps=4, num_stages=1, rows=128),
+    "Q5_K": Tuning(BN=64, S=2, num_warps=4, num_stages=1, rows=128),
+    "Q6_K": Tuning(BN=64, S=2, num_warps=4, num_stages=1, rows=128),
+    "IQ3_S": Tuning(BN=64, S=4, num_warps=4, num_stages=1, rows=128),
+    "IQ4_NL": Tuning(BN=64, S=16, num_warps=4, num_stages=1, rows=128),
+    "IQ4_XS": Tuning(BN=64, S=2, num_warps=4, num_stages=1, rows=128),
 }
 MIN_DOT = 16          # smallest MMA extent (M, BN and S * words) the Triton dot takes
 
@@ -104,59 +119,57 @@ def split_bf16_xla(x):
   return hi.astype(BF16), (x - hi).astype(BF16)
 
 
-# The kernel's form (read at trace time; clear the jit caches after changing it):
-#   "presplit": x split into bf16 hi/lo once by XLA, w split in the kernel, three MMAs each accumulating into acc
-#         (~1e-5 relative error of a dot: float32-accurate, the CPU default and `--prefill_precision f32`);
-#   "x1": x and w each rounded to bf16, one MMA (~2e-3 relative error of a dot; `--prefill_precision bf16`, the
-#         GPU default). Finer than llama.cpp's own prefill GEMMs (MMQ), which quantize x to 8-bit integers per
-#         32 values (5e-3 on the same product: scripts/gpu/gemm_paths.py); 1.7x the speed of "presplit" on the
-#         30B prefill (PERF "Prefill");
-#   "x2": x rounded to bf16, w split: two MMAs (between the two in error and speed);
-#   "v1": as shipped until 0550586: x split in every program, the three products summed before acc (a second
-#         accumulator: 255 registers and 0.2-2.4 KB of spills per thread on sm_90, `scripts/kernel_sass.py`).
+# The kernel's form, from the precision asked for (`form`):
+#   "presplit" (precision "f32"; "auto" on CPU): x split into bf16 hi/lo once by XLA, w split in the kernel,
+#         three MMAs each accumulating into acc (~1e-5 relative error of a dot: float32-accurate);
+#   "x1" (precision "bf16"; "auto" on a GPU): x and w each rounded to bf16, one MMA (~2e-3 relative error of a
+#         dot). Finer than llama.cpp's own prefill GEMMs (MMQ), which quantize x to 8-bit integers per 32 values
+#         (5e-3 on the same product: scripts/gpu/gemm_paths.py); 1.7x the speed of "presplit" on the 30B prefill
+#         (PERF "Prefill").
 # Prefill only: decode and verify passes (<= MAX_B rows) run the FMA kernels of ops/qmatmul_pallas in float32, so
 # no form touches the greedy-exactness invariants (a prompt's K/V are the same for every arm that prefills it).
-GEMM_FORMS = ("presplit", "v1", "x2", "x1")
-PRECISIONS = {"f32": "presplit", "bf16": "x1"}     # --prefill_precision -> form
-GEMM_FORM: str | None = None                       # None: "x1" on a GPU, "presplit" elsewhere
+GEMM_FORMS = ("presplit", "x1")
+PRECISIONS = {"f32": "presplit", "bf16": "x1"}     # precision -> form; "auto": the backend's
 
 
-def gemm_form() -> str:
-  """The form in force: GEMM_FORM, else the backend's default."""
-  if GEMM_FORM is not None:
-    return GEMM_FORM
-  from ops import on_gpu
-  return "x1" if on_gpu() else "presplit"
+_CLI_PRECISION = "auto"   # transitional, for decode/generate.py until it passes its precision (set_precision)
 
 
 def set_precision(precision: str) -> None:
-  """`--prefill_precision`: "auto" (the backend's default), "f32" or "bf16" (see GEMM_FORMS); read at trace time."""
-  global GEMM_FORM
-  if precision != "auto" and precision not in PRECISIONS:
-    raise ValueError(f"prefill_precision: {precision!r}, expected auto, {', '.join(PRECISIONS)}")
-  GEMM_FORM = None if precision == "auto" else PRECISIONS[precision]
+  """Transitional: the precision "auto" resolves to (decode/generate.py's --prefill_precision)."""
+  global _CLI_PRECISION
+  form(precision)
+  _CLI_PRECISION = precision
 
 
-def prefill_gemm(kernels: str) -> str:
+def form(precision: str = "auto") -> str:
+  """The GEMM form of a precision: "f32" -> "presplit", "bf16" -> "x1", "auto" -> "x1" on a GPU, "presplit"
+  elsewhere."""
+  if precision == "auto" and _CLI_PRECISION != "auto":
+    precision = _CLI_PRECISION
+  if precision == "auto":
+    from ops import on_gpu
+    return "x1" if on_gpu() else "presplit"
+  if precision not in PRECISIONS:
+    raise ValueError(f"prefill precision: {precision!r}, expected auto, {', '.join(PRECISIONS)}")
+  return PRECISIONS[precision]
+
+
+def prefill_gemm(kernels: str, precision: str = "auto") -> str:
   """What a request's prefill GEMMs run, for its records: "xla" (the dequantize-then-dot reference) when the
-  params' kernels are "xla", else the form in force.
+  params' kernels are "xla", else the form of `precision`.
 
-  >>> prefill_gemm("xla")
-  'xla'
+  >>> prefill_gemm("xla"), prefill_gemm("pallas", "bf16")
+  ('xla', 'x1')
   """
-  return "xla" if kernels == "xla" else gemm_form()
+  return "xla" if kernels == "xla" else form(precision)
 
 
-def x_operands(x2, qtype: str):
+def x_operands(x2, qtype: str, form: str):
   """The kernels' x operands for rows x2 [R, K]: `x_pieces` as bf16 (hi, lo), split once by XLA rather than in
-  each of the N / BN programs that read a row tile (x1, x2: hi twice); under the form "v1" the float32 pieces
-  (twice)."""
-  xp = x_pieces(x2, qtype)
-  form = gemm_form()
-  if form == "v1":
-    return xp, xp
-  xh, xl = split_bf16_xla(xp)
-  return (xh, xh) if form in ("x1", "x2") else (xh, xl)
+  each of the N / BN programs that read a row tile; under "x1" (hi, hi)."""
+  xh, xl = split_bf16_xla(x_pieces(x2, qtype))
+  return (xh, xh) if form == "x1" else (xh, xl)
 
 
 # ------------------------------------------------------------------------------------- values per type
@@ -276,19 +289,18 @@ assert set(VALUES) == set(PIECES)
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _dot3(acc, xh, xl, w, form="presplit"):
-  """acc + x [M, k] (as bf16 hi/lo) . w [BN, k]^T -> [M, BN] float32: three bf16 MMAs into acc (fewer under the
-  forms "x2" and "x1", which drop x's lo, then w's). Each product is added to acc on its own (`acc + dot`), the
-  form Triton folds into the MMA's accumulator operand; a sum of the products first would hold a second [M, BN]
-  accumulator in registers and add it with FADDs."""
-  wh, wl = split_bf16(w) if form != "x1" else (w.astype(BF16), None)
+def _dot3(acc, xh, xl, w, form):
+  """acc + x [M, k] (as bf16 hi/lo) . w [BN, k]^T -> [M, BN] float32: three bf16 MMAs into acc ("presplit"), or one
+  of x's hi and w rounded to bf16 ("x1"). Each product is added to acc on its own (`acc + dot`), the form Triton
+  folds into the MMA's accumulator operand; a sum of the products first would hold a second [M, BN] accumulator
+  in registers and add it with FADDs."""
   dims = (((1,), (1,)), ((), ()))
   dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, preferred_element_type=F32)
-  acc = acc + dot(xh, wh)
   if form == "x1":
-    return acc
-  if form != "x2":
-    acc = acc + dot(xl, wh)
+    return acc + dot(xh, w.astype(BF16))
+  wh, wl = split_bf16(w)
+  acc = acc + dot(xh, wh)
+  acc = acc + dot(xl, wh)
   return acc + dot(xh, wl)
 
 
@@ -317,11 +329,6 @@ def _kernel(te_ref, nt_ref, *refs, qtype, names, N, M, BN, S, nb, pair, form, ga
       accs = list(accs)
       for pieces in zip(*gens):                      # the same lane of every weight (gate and up share x)
         at = (xrows, pieces[0][0], cols)
-        if form == "v1":                             # float32 x in xh_ref, split here; products summed first
-          xh, xl = split_bf16(xh_ref[at])
-          for i, (_, v) in enumerate(pieces):
-            accs[i] = accs[i] + _dot3(jnp.zeros_like(accs[i]), xh, xl, v.reshape(BN, S * nw))
-          continue
         xh = xh_ref[at]
         xl = xl_ref[at] if form == "presplit" else None
         for i, (_, v) in enumerate(pieces):
@@ -344,13 +351,11 @@ def _pow2_divisor(n: int, cap: int) -> int:
   return s
 
 
-def config(qtype: str, n_rows: int, nb: int, overrides: dict | None = None) -> dict:
-  """Tile sizes: TUNING[qtype] (+ overrides), BN and S the largest powers of two up to theirs dividing the rows
-  and the blocks (tiles never straddle an edge: no masks, no clamped rows)."""
-  c = dict(TUNING[qtype], **(overrides or {}))
-  c["BN"] = _pow2_divisor(n_rows, c["BN"])
-  c["S"] = _pow2_divisor(nb, c["S"])
-  return c
+def config(qtype: str, n_rows: int, nb: int, tuning: Tuning | None = None) -> Tuning:
+  """The tile: TUNING[qtype] with the fields `tuning` sets, BN and S the largest powers of two up to theirs
+  dividing the rows and the blocks (tiles never straddle an edge: no masks, no clamped rows)."""
+  c = fill(tuning, TUNING[qtype])
+  return c._replace(BN=_pow2_divisor(n_rows, c.BN), S=_pow2_divisor(nb, c.S))
 
 
 def supported(w) -> bool:
@@ -360,54 +365,52 @@ def supported(w) -> bool:
     return False
   nb = w.shape[-1] // quant.GGML_TYPES[w.qtype][0]
   c = config(w.qtype, w.shape[-2], nb)
-  return c["BN"] >= MIN_DOT and c["S"] * words(w.qtype) >= MIN_DOT
+  return c.BN >= MIN_DOT and c.S * words(w.qtype) >= MIN_DOT
 
 
-@functools.partial(jax.jit, static_argnames=("qtype", "N", "K", "M", "pair", "interpret", "cfg"))
-def gemm(x, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cfg, row_tok=None):
-  """Row tiles of x (`x_operands` of the rows: (hi, lo), each [R, lanes, nb * words] bf16) times their expert's W:
-  y[j*M + m, n] = x[r] . W[tile_e[j], n] with r = j*M + m, or r = row_tok[j*M + m] when row_tok [NT * M] int32 is
-  given (the kernel gathers the tile's rows itself: no gathered copy of x is written); pair: silu(x . G[e, n]) *
-  (x . U[e, n]), `planes` holding G's planes then U's. planes: [E, N, nb, ...]. Tiles j >= n_tiles ([1] int32)
-  are skipped (left unwritten). Returns [NT * M, N] float32."""
-  c = dict(cfg)
-  c["num_warps"] = max(c["num_warps"], M * c["BN"] // 1024)      # accumulators: <= 32 float32 per thread each
+@functools.partial(jax.jit, static_argnames=("qtype", "N", "K", "M", "pair", "interpret", "cfg", "form"))
+def gemm(x, tile_e, n_tiles, planes, *, qtype, N, K, M, pair, interpret, cfg, form, row_tok=None):
+  """Row tiles of x (`x_operands` of the rows under `form`: (hi, lo), each [R, lanes, nb * words] bf16) times their
+  expert's W: y[j*M + m, n] = x[r] . W[tile_e[j], n] with r = j*M + m, or r = row_tok[j*M + m] when row_tok
+  [NT * M] int32 is given (the kernel gathers the tile's rows itself: no gathered copy of x is written); pair:
+  silu(x . G[e, n]) * (x . U[e, n]), `planes` holding G's planes then U's. planes: [E, N, nb, ...]. Tiles
+  j >= n_tiles ([1] int32) are skipped (left unwritten). cfg: the tile (`config`). Returns [NT * M, N] float32."""
+  cfg = cfg._replace(num_warps=max(cfg.num_warps, M * cfg.BN // 1024))   # accumulators: <= 32 float32 per thread
   xh, xl = x
   R = xh.shape[0] if row_tok is None else row_tok.shape[0]
   NT = R // M
   nb = K // quant.GGML_TYPES[qtype][0]
-  kernel = functools.partial(_kernel, qtype=qtype, names=repack.plane_names(qtype), N=N, M=M, BN=c["BN"],
-                             S=c["S"], nb=nb, pair=pair, form=gemm_form(), gather=row_tok is not None)
+  kernel = functools.partial(_kernel, qtype=qtype, names=repack.plane_names(qtype), N=N, M=M, BN=cfg.BN,
+                             S=cfg.S, nb=nb, pair=pair, form=form, gather=row_tok is not None)
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((R, N), F32), grid=(pl.cdiv(N, c["BN"]), NT),
-      compiler_params=compiler_params(c), interpret=interpret,
+      kernel, out_shape=jax.ShapeDtypeStruct((R, N), F32), grid=(pl.cdiv(N, cfg.BN), NT),
+      compiler_params=compiler_params(cfg), interpret=interpret,
       name=f"qgemm_{'pair_' if pair else ''}{qtype.lower()}",
   )(tile_e, n_tiles, *(() if row_tok is None else (row_tok,)), xh, xl, table(qtype), *planes)
 
 
-DENSE_ROWS = 128     # M of a dense projection (read at trace time; each row tile dequantizes W once). H200, 30B
-                     # prefill: 128 against 64 with ROWS_FACTOR 2 against 1, 321.7 against 356.0 ms (PERF "Prefill")
+def rows_per_tile(T: int, most: int) -> int:
+  """M for a dense projection of T rows: `most` (the tile's rows), or fewer for short inputs (less padding)."""
+  return max(MIN_DOT, min(most, 1 << (max(T, 1) - 1).bit_length()))
 
 
-def rows_per_tile(T: int) -> int:
-  """M for a dense projection of T rows: DENSE_ROWS, or fewer for short inputs (less padding)."""
-  return max(MIN_DOT, min(DENSE_ROWS, 1 << (max(T, 1) - 1).bit_length()))
-
-
-def qgemm_pallas(x, w, *, interpret: bool = False, overrides: dict | None = None, M: int | None = None):
+def qgemm_pallas(x, w, *, interpret: bool = False, tuning: Tuning | None = None, precision: str = "auto"):
   """x [..., K] @ W[N, K]^T -> [..., N] float32 on the tensor cores, W a 2-D QTensor of a type in PIECES; any
-  number of rows (padded to a multiple of the row tile M)."""
+  number of rows (padded to a multiple of the row tile M). tuning (static): the tile's fields to set over
+  TUNING[w.qtype]; precision: "auto" | "f32" | "bf16" (`form`)."""
   if not supported(w) or len(w.shape) != 2:
     raise ValueError(f"qgemm_pallas: {w.qtype} {w.shape} is not supported")
   N, K = w.shape
   lead = x.shape[:-1]
   x2 = x.reshape(-1, K).astype(F32)
   T = x2.shape[0]
-  M = M or rows_per_tile(T)
+  nb = K // quant.GGML_TYPES[w.qtype][0]
+  cfg = config(w.qtype, N, nb, tuning)
+  M = rows_per_tile(T, cfg.rows)
   NT = -(-T // M)
   x2 = jnp.pad(x2, ((0, NT * M - T), (0, 0)))
-  nb = K // quant.GGML_TYPES[w.qtype][0]
-  cfg = tuple(sorted(config(w.qtype, N, nb, overrides).items()))
-  y = gemm(x_operands(x2, w.qtype), jnp.zeros((NT,), I32), jnp.full((1,), NT, I32), tuple(p[None] for p in w.planes),
-           qtype=w.qtype, N=N, K=K, M=M, pair=False, interpret=interpret, cfg=cfg)
+  f = form(precision)
+  y = gemm(x_operands(x2, w.qtype, f), jnp.zeros((NT,), I32), jnp.full((1,), NT, I32),
+           tuple(p[None] for p in w.planes), qtype=w.qtype, N=N, K=K, M=M, pair=False, interpret=interpret, cfg=cfg,
+           form=f)
   return y[:T].reshape(*lead, N)

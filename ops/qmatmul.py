@@ -14,20 +14,24 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ops import qgemm_pallas, qmatmul_pallas
 from ops.qtensor import QTensor
+from ops.tuning import Tunings, pick
 
 
 def qmatmul_ref(x: jax.Array, w: QTensor) -> jax.Array:
   return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w.dense(jnp.float32))
 
 
-def qmatmul(x: jax.Array, w: QTensor) -> jax.Array:
+def qmatmul(x: jax.Array, w: QTensor, *, tunings: Tunings | None = None, precision: str = "auto") -> jax.Array:
+  """The dispatcher (module docstring); tunings (static): the kernels' pieces (`qmatmul`, `qgemm`, by w's type);
+  precision: the prefill GEMM's ("auto" | "f32" | "bf16"; the decode kernel and the reference run float32)."""
   if w.kernel in ("pallas", "interpret"):
-    from ops import qmatmul_pallas
     rows = math.prod(x.shape[:-1])
+    interpret = w.kernel == "interpret"
     if qmatmul_pallas.supported(w, rows):
-      return qmatmul_pallas.qmatmul_pallas(x, w, interpret=w.kernel == "interpret")
-    from ops import qgemm_pallas
+      return qmatmul_pallas.qmatmul_pallas(x, w, interpret=interpret, tuning=pick(tunings, "qmatmul", w.qtype))
     if rows > qmatmul_pallas.MAX_B and len(w.shape) == 2 and qgemm_pallas.supported(w):
-      return qgemm_pallas.qgemm_pallas(x, w, interpret=w.kernel == "interpret")
+      return qgemm_pallas.qgemm_pallas(x, w, interpret=interpret, tuning=pick(tunings, "qgemm", w.qtype),
+                                       precision=precision)
   return qmatmul_ref(x, w)

@@ -24,6 +24,7 @@ it for abstract CUDA and ROCm devices (tests/ops/test_lowering.py).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import quant, repack
+from ops.tuning import fill
 
 U32, I32, F32 = jnp.uint32, jnp.int32, jnp.float32
 MAX_B = 16                        # largest batch the kernels take (static per-token loop); larger B: reference
@@ -58,16 +60,28 @@ XPERM = {
     "IQ4_XS": (1, 3, 0, 2),          # [h, cb, ib, jw]
 }
 
-# Tile sizes: BN rows per program (power of 2), S blocks per K step (power of 2; clipped to the largest power of
-# two dividing nb), Triton warps and pipeline stages. Measured on the H200: docs/PERF.md "Quantized kernels".
-TUNING: dict[str, dict] = {
-    "Q8_0": dict(BN=16, S=32, num_warps=4, num_stages=2),
-    "Q4_K": dict(BN=16, S=8, num_warps=4, num_stages=2),
-    "Q5_K": dict(BN=16, S=8, num_warps=4, num_stages=2),
-    "Q6_K": dict(BN=16, S=8, num_warps=4, num_stages=2),
-    "IQ3_S": dict(BN=16, S=8, num_warps=4, num_stages=2),
-    "IQ4_NL": dict(BN=16, S=32, num_warps=4, num_stages=2),
-    "IQ4_XS": dict(BN=16, S=8, num_warps=4, num_stages=2),
+class Tuning(NamedTuple):
+  """A decode kernel's tile (the projection's, or one of the MoE kernels'); a field left None takes the type's
+  entry in `TUNING`. BN rows per program (a power of 2), S blocks per K step (a power of 2, clipped to the largest
+  power of two dividing nb), Triton warps and pipeline stages, K steps unrolled up to `unroll` (0: a fori_loop),
+  and natural_b: calls of up to natural_b tokens per program read x in its natural order (`x_natural`)."""
+  BN: int | None = None
+  S: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+  unroll: int | None = None
+  natural_b: int | None = None
+
+
+# Per type. Measured on the H200: docs/PERF.md "Quantized kernels" (tiles), "The x layout" (natural_b).
+TUNING: dict[str, Tuning] = {
+    "Q8_0": Tuning(BN=16, S=32, num_warps=4, num_stages=2, unroll=0, natural_b=16),
+    "Q4_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=16),
+    "Q5_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0),
+    "Q6_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0),
+    "IQ3_S": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0),
+    "IQ4_NL": Tuning(BN=16, S=32, num_warps=4, num_stages=2, unroll=0, natural_b=0),
+    "IQ4_XS": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0),
 }
 
 
@@ -77,26 +91,11 @@ _CONSTS = np.array([0x3F800000, 0x3FC00000, 0x4B000000] + [0] * 13, np.uint32)
 ONE, Q8_FLIP, MAGIC23 = 0, 1, 2
 
 
-# IQ3_S grid table form, read at trace time (the kernels' jit caches do not key on it: jax.clear_caches() after a
-# change, as bench.kernels's sweep does). False: uint32 entries of 4 magnitude bytes (2 KB, 16 L1 lines). True: uint16
-# entries of 4 x 3-bit codes c (magnitude 2c + 1: the grid holds only odd 1..15), 1 KB, 8 lines: a warp's gather
-# of 32 random entries touches about half as many lines; the decode stays one shift and one LOP3 per value.
-# Measured on the H200 at 14c6abb (PERF "IQ3_S with a 16-bit grid table"): part (b) equal, the 30B step 3-5 %
-# slower, so off: the gather's line count is not what holds IQ3_S's gate/up back.
-IQ3S_GRID16 = False
-
-
 def table(qtype: str) -> jax.Array:
-  """The table input of a type's kernel: IQ3_S grid (uint32 of 4 magnitude bytes, or with IQ3S_GRID16 uint16 of 4
-  3-bit codes) then _CONSTS at 512 (as uint16 halves, low first, in the 16-bit form); IQ4 levels (float32 [16]);
-  _CONSTS for the other types."""
+  """The table input of a type's kernel: IQ3_S grid (uint32 of 4 magnitude bytes) then _CONSTS at 512; IQ4 levels
+  (float32 [16]); _CONSTS for the other types."""
   if qtype == "IQ3_S":
     g = quant.IQ3_S_GRID.astype(np.uint32)                        # [512, 4], entries 1, 3, .., 15
-    if IQ3S_GRID16:
-      c = (g - 1) // 2
-      codes = c[:, 0] | (c[:, 1] << 3) | (c[:, 2] << 6) | (c[:, 3] << 9)
-      halves = np.stack([_CONSTS & 0xFFFF, _CONSTS >> 16], axis=1).reshape(-1)
-      return jnp.asarray(np.concatenate([codes, halves]).astype(np.uint16))
     return jnp.asarray(np.concatenate([g[:, 0] | (g[:, 1] << 8) | (g[:, 2] << 16) | (g[:, 3] << 24), _CONSTS]))
   if qtype in ("IQ4_NL", "IQ4_XS"):
     return jnp.asarray(quant.IQ4_NL_LEVELS.astype(np.float32))
@@ -104,12 +103,8 @@ def table(qtype: str) -> jax.Array:
 
 
 def iq3s_grid(tab):
-  """(gather, magnitude) for the IQ3_S table in use: gather(idx) -> the grid words of 9-bit indices (uint32),
+  """(gather, magnitude) for the IQ3_S table: gather(idx) -> the grid words of 9-bit indices (uint32),
   magnitude(words, m) -> float32 magnitude m (1..15) of each word, via the 2^23 exponent trick."""
-  if IQ3S_GRID16:
-    magic1 = ((tab[512 + 2 * MAGIC23 + 1].astype(U32) << 16) | tab[512 + 2 * MAGIC23].astype(U32)) | 1
-    return (lambda idx: tab[idx.astype(I32)].astype(U32),
-            lambda w, m: _f32((_shl(w, 1 - 3 * m) & 0xE) | magic1) - 8388608.0)   # 2c + 1 under 2^23
   magic = tab[512 + MAGIC23]
   return (lambda idx: tab[idx.astype(I32)],
           lambda w, m: _f32((_shl(w, -8 * m) & 0xFF) | magic) - 8388608.0)
@@ -141,11 +136,6 @@ def _f16hi(w):
 
 def _iota(shape, dim):
   return jax.lax.broadcasted_iota(U32, shape, dim)
-
-
-# Q4_K / Q5_K tiles keep their contribution word-shaped and leave one reduction to the caller (_tile_q45_k); False:
-# the per-sub-block form (a reduction over the words and a sum of x for each of the 8 sub-blocks). Read at trace time.
-FOLD_K = True
 
 
 def row_sums(t):
@@ -201,26 +191,25 @@ def _tile_q45_k(ld, xs, tab, five: bool):
   word j = bit 4 of value 32k + 4j + c] | qs [4 i, 8 j] words, byte c nibble h = value 64i + 32h + 4j + c.
   Sub-block k = 2i + h of 32 values: x = (d * sc_k) * q - dmin * mn_k.
 
-  With FOLD_K (the default) the contribution stays word-shaped, [BN, S, 8], summed once by the caller: with
-  f = 1 + q / 2^bits, sum q x = 2^bits (sum f x - sum x), so word j adds 2^bits ds a_j - (2^bits ds + dm) xw_j
-  (a_j = sum_c f_c x_c, xw_j = sum_c x_c). The per-sub-block form reduces over the words and over x for each of
-  the 8 sub-blocks; on sm_90 that compiled to cross-thread reductions and 8 layout conversions of the x sums
-  through shared memory per step (24 barriers in the gate/up kernel: scripts/kernel_sass.py)."""
+  The contribution stays word-shaped, [BN, S, 8], summed once by the caller: with f = 1 + q / 2^bits,
+  sum q x = 2^bits (sum f x - sum x), so word j adds 2^bits ds a_j - (2^bits ds + dm) xw_j (a_j = sum_c f_c x_c,
+  xw_j = sum_c x_c). A per-sub-block form (a reduction over the words and over x for each of the 8 sub-blocks)
+  compiled on sm_90 to cross-thread reductions and 8 layout conversions of the x sums through shared memory per
+  step (scripts/kernel_sass.py)."""
   h = [ld("hdr", k) for k in range(4)]                                 # [BN, S] each
   d, dmin = _f16lo(h[0]), _f16hi(h[0])
   qh = ld("qh", slice(None)) if five else None                         # [BN, S, 8]
   bits = 5 if five else 4
   one = tab[ONE]
-  out = [None if FOLD_K else 0.0] * len(xs)
+  out = [None] * len(xs)
   for i in range(4):
     q = ld("qs", i, slice(None))                                       # [BN, S, 8]
     for hh in range(2):
       k = 2 * i + hh
       sc, mn = _k_scale_min(h[1], h[2], h[3], k)
       ds, dm = d * sc, dmin * mn
-      if FOLD_K:                                                       # per word: dsb * a_j - e * xw_j
-        dsb = float(1 << bits) * ds
-        dsb3, e3 = dsb[..., None], (dsb + dm)[..., None]
+      dsb = float(1 << bits) * ds                                      # per word: dsb * a_j - e * xw_j
+      dsb3, e3 = dsb[..., None], (dsb + dm)[..., None]
       fs = []
       for c in range(4):
         s = 8 * c + 4 * hh
@@ -231,12 +220,8 @@ def _tile_q45_k(ld, xs, tab, five: bool):
         fs.append(_f32(b | one))
       for bi, xv in enumerate(xs):
         a, x = _accumulate(fs, [xv(i, hh, c, slice(None)) for c in range(4)])
-        if FOLD_K:                                                     # [BN, S, 8]: no reduction here
-          t = dsb3 * a - e3 * x[None]
-          out[bi] = t if out[bi] is None else out[bi] + t
-          continue
-        xs_ = jnp.sum(x, axis=1)[None]                                 # [1, S]
-        out[bi] = out[bi] + ds * (float(1 << bits) * (jnp.sum(a, axis=2) - xs_)) - dm * xs_
+        t = dsb3 * a - e3 * x[None]                                    # [BN, S, 8]: no reduction here
+        out[bi] = t if out[bi] is None else out[bi] + t
   return out
 
 
@@ -356,22 +341,21 @@ STEP_BUDGET_OF = {"IQ3_S": 32768}
 INVARIANT_B = 4
 
 
-def config(qtype: str, rows: int, nb: int, overrides: dict | None = None, batch: int = 1) -> dict:
-  """Tile sizes for `rows` output rows, `nb` blocks per row and `batch` tokens: TUNING[qtype] (+ overrides),
-  clipped to the problem and, for larger batches, shrunk (BN to 16, then S) to the type's step budget. The matmul
-  asks for its batch but at least INVARIANT_B; the MoE kernels run one token per program (batch 1)."""
-  c = dict(TUNING[qtype], **(overrides or {}))
-  c["BN"] = min(_pow2_floor(c["BN"]), max(16, 1 << (max(rows, 1) - 1).bit_length()))
+def config(qtype: str, rows: int, nb: int, tuning: Tuning | None = None, batch: int = 1) -> Tuning:
+  """The tile for `rows` output rows, `nb` blocks per row and `batch` tokens: TUNING[qtype] with the fields
+  `tuning` sets, clipped to the problem and, for larger batches, shrunk (BN to 16, then S) to the type's step
+  budget. The matmul asks for its batch but at least INVARIANT_B; the MoE kernels run one token per program
+  (batch 1)."""
+  c = fill(tuning, TUNING[qtype])
+  BN, S = min(_pow2_floor(c.BN), max(16, 1 << (max(rows, 1) - 1).bit_length())), c.S
   block = quant.GGML_TYPES[qtype][0]
   budget = STEP_BUDGET_OF.get(qtype, STEP_BUDGET)
-  while batch * c["BN"] * c["S"] * block > budget and (c["BN"] > 16 or c["S"] > 1):
-    if c["BN"] > 16:
-      c["BN"] //= 2
+  while batch * BN * S * block > budget and (BN > 16 or S > 1):
+    if BN > 16:
+      BN //= 2
     else:
-      c["S"] = max(1, c["S"] // 2)
-  c["S"] = min(_pow2_floor(c["S"]), _pow2_floor(nb))
-  c.setdefault("unroll", 0)
-  return c
+      S = max(1, S // 2)
+  return c._replace(BN=BN, S=min(_pow2_floor(S), _pow2_floor(nb)))
 
 
 def x_view(x2, qtype: str):
@@ -379,19 +363,16 @@ def x_view(x2, qtype: str):
   return x_input(x2, qtype, natural=True).transpose(0, 1, *(2 + p for p in XPERM[qtype]))
 
 
-# The x layout each type's kernels read, by type: up to NATURAL_X_MAX_B[qtype] tokens per program x is read in its
-# natural order ([B, nb, *XVIEW], a free reshape: no transpose kernel before the matmul, strided x loads inside
-# it); above (and for types not listed), the permuted view (`x_view`: contiguous x loads after one small XLA
+# The x layout a kernel reads is its tile's choice (`Tuning.natural_b`): calls of up to natural_b tokens per program
+# read x in its natural order ([B, nb, *XVIEW], a free reshape: no transpose kernel before the matmul, strided x
+# loads inside it); larger calls read the permuted view (`x_view`: contiguous x loads after one small XLA
 # transpose). The loaded values and the arithmetic are the same either way, so the choice never changes a bit of
 # the result; it is a speed choice per type. The routed-expert kernels read one token per program. Measured on the
 # H200 (docs/PERF.md "The x layout"), the 30B step at 1K: Q4_K experts and Q8_0 projections natural 3.24 ms against
 # 3.44 permuted; IQ3_S experts natural 4.17 against 3.56 (its 5-D view makes 16 scattered loads per block), Q8_0
 # natural beside them 3.52 against 3.58-3.61. Q5_K, Q6_K, IQ4_XS and IQ4_NL are unmeasured and stay permuted.
-NATURAL_X_MAX_B: dict[str, int] = {"Q4_K": 16, "Q8_0": 16}
-
-
-def x_natural(qtype: str, batch: int) -> bool:
-  return batch <= NATURAL_X_MAX_B.get(qtype, 0)
+def x_natural(tile: Tuning, batch: int) -> bool:
+  return batch <= tile.natural_b
 
 
 def x_input(x2, qtype: str, natural: bool):
@@ -455,8 +436,9 @@ def k_loop(nb: int, S: int, unroll: int, tile_sums, init):
   return accs
 
 
-def compiler_params(c: dict):
-  return plgpu.CompilerParams(num_warps=c["num_warps"], num_stages=c["num_stages"])
+def compiler_params(t):
+  """Triton compiler parameters of a tile (any tuning value with num_warps and num_stages)."""
+  return plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -482,19 +464,19 @@ def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll, st
 
 @functools.partial(jax.jit, static_argnames=("qtype", "n", "interpret", "cfg"))
 def _qmatmul(x2, layer, planes, *, qtype, n, interpret, cfg):
-  c = dict(cfg)
   B = x2.shape[0]
   stacked = layer is not None
   N = planes[0].shape[int(stacked)]
   lid = (jnp.asarray(layer, I32).reshape(1),) if stacked else ()
   nb = n // quant.GGML_TYPES[qtype][0]
   names = repack.plane_names(qtype)
-  kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=c["BN"], S=c["S"], nb=nb,
-                             unroll=c["unroll"], stacked=stacked, natural=x_natural(qtype, B))
+  natural = x_natural(cfg, B)
+  kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=cfg.BN, S=cfg.S, nb=nb,
+                             unroll=cfg.unroll, stacked=stacked, natural=natural)
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((B, N), F32), grid=(pl.cdiv(N, c["BN"]),),
-      compiler_params=compiler_params(c), interpret=interpret, name=f"qmatmul_{qtype.lower()}",
-  )(x_input(x2.astype(F32), qtype, x_natural(qtype, B)), table(qtype), *lid, *planes)
+      kernel, out_shape=jax.ShapeDtypeStruct((B, N), F32), grid=(pl.cdiv(N, cfg.BN),),
+      compiler_params=compiler_params(cfg), interpret=interpret, name=f"qmatmul_{qtype.lower()}",
+  )(x_input(x2.astype(F32), qtype, natural), table(qtype), *lid, *planes)
 
 
 def supported(w, batch: int) -> bool:
@@ -502,9 +484,10 @@ def supported(w, batch: int) -> bool:
 
 
 def qmatmul_pallas(x: jax.Array, w, *, layer=None, interpret: bool = False,
-                   overrides: dict | None = None) -> jax.Array:
+                   tuning: Tuning | None = None) -> jax.Array:
   """x [..., K] @ W[N, K]^T -> [..., N] float32 with W a 2-D QTensor of a type in KERNEL_TYPES; B <= MAX_B.
-  With `layer` (int32 scalar, may be traced) W is stacked [L, N, K] and layer `layer` is read in place."""
+  With `layer` (int32 scalar, may be traced) W is stacked [L, N, K] and layer `layer` is read in place.
+  tuning (static): the tile's fields to set over TUNING[w.qtype]."""
   w2 = w if layer is None else w[0]
   N, K = w2.shape
   lead = x.shape[:-1]
@@ -513,7 +496,6 @@ def qmatmul_pallas(x: jax.Array, w, *, layer=None, interpret: bool = False,
     raise ValueError(f"qmatmul_pallas: {w.qtype} {w.shape} with batch {x2.shape[0]}"
                      f"{'' if layer is None else ' and a layer index'} is not supported")
   nb = K // quant.GGML_TYPES[w.qtype][0]
-  cfg = config(w.qtype, N, nb, overrides, batch=max(x2.shape[0], INVARIANT_B))
-  y = _qmatmul(x2, layer, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret,
-               cfg=tuple(sorted(cfg.items())))
+  cfg = config(w.qtype, N, nb, tuning, batch=max(x2.shape[0], INVARIANT_B))
+  y = _qmatmul(x2, layer, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret, cfg=cfg)
   return y.reshape(*lead, N)

@@ -8,12 +8,13 @@ last bits (2.4e-7; `scripts/gpu/batch_invariance.py`), enough to flip a 512-expe
 greedy token. Here every row is one program running the same code whatever T is, so its bits never depend on the
 batch. It also folds the residual add and the norm's two XLA kernels into one launch.
 
-`add_rms_norm(x, w, eps, res=None, impl=...)`: with `res`, s = x + res and returns (s, norm(s)); without, norm(x).
+`add_rms_norm(x, w, eps, res=None, impl=..., tuning=None)`: with `res`, s = x + res and returns (s, norm(s)); without, norm(x).
 Takes D a power of two (the kernel loads whole rows); other shapes run the reference.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +22,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.layers import rms_norm
+from ops.tuning import fill
 
 IMPLS = ("ref", "pallas", "interpret")
 MAX_T = 16               # decode and verify passes; prefill keeps XLA's norm (its rows need no batch invariance)
-NUM_WARPS = 4
+
+
+class Tuning(NamedTuple):
+  """The kernel's tuning; a field left None takes `TUNING`'s: Triton warps per program (one program per row)."""
+  num_warps: int | None = None
+
+
+TUNING = Tuning(num_warps=4)
 
 
 def supported(T: int, D: int) -> bool:
@@ -44,25 +53,26 @@ def _kernel(x_ref, w_ref, *refs, eps: float, residual: bool):
   y_ref[t, :] = x * jax.lax.rsqrt(jnp.mean(x * x) + eps) * w_ref[...]     # as rms_norm
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def rms_norm_pallas(x_TD, w_D, eps: float, res_TD=None, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "tuning"))
+def rms_norm_pallas(x_TD, w_D, eps: float, res_TD=None, *, interpret: bool = False, tuning: Tuning | None = None):
   T, D = x_TD.shape
+  t = fill(tuning, TUNING)
   residual = res_TD is not None
   args = [x_TD.astype(jnp.float32), w_D.astype(jnp.float32)] + ([res_TD.astype(jnp.float32)] if residual else [])
   out = [jax.ShapeDtypeStruct((T, D), jnp.float32)] * (2 if residual else 1)
   outs = pl.pallas_call(functools.partial(_kernel, eps=eps, residual=residual), out_shape=out, grid=(T,),
-                        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+                        compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=1),
                         interpret=interpret, name="rms_norm")(*args)
   return (outs[0], outs[1]) if residual else outs[0]
 
 
-def add_rms_norm(x_TD, w_D, eps: float, res_TD=None, *, impl: str = "ref"):
+def add_rms_norm(x_TD, w_D, eps: float, res_TD=None, *, impl: str = "ref", tuning: Tuning | None = None):
   """norm(x) or, with res, (x + res, norm(x + res)); impl "pallas" | "interpret" runs the kernel where `supported`
-  (x 2-D, T <= MAX_T, D a power of two), "ref" the jnp ops."""
+  (x 2-D, T <= MAX_T, D a power of two) with `tuning` (static), "ref" the jnp ops."""
   if impl not in IMPLS:
     raise ValueError(f"add_rms_norm: impl {impl!r}, expected one of {IMPLS}")
   if impl != "ref" and x_TD.ndim == 2 and supported(*x_TD.shape):
-    return rms_norm_pallas(x_TD, w_D, eps, res_TD, interpret=impl == "interpret")
+    return rms_norm_pallas(x_TD, w_D, eps, res_TD, interpret=impl == "interpret", tuning=tuning)
   if res_TD is None:
     return rms_norm(x_TD, w_D, eps)
   s = x_TD + res_TD

@@ -7,7 +7,8 @@ reductions, four ring updates, the splits between them), each a launch of ~1-2 Â
 480 launches per step on a 48-layer model. One launch does all of it (a few programs per token).
 
 `rope_write_ref` is the reference: the model's own jnp ops (ops.layers.rms_norm, ops.layers.rope_neox and
-model.kv_ring.KVRing.write), which the kernel must match; `rope_write` dispatches.
+ops.kv_write.write_rows, the ring's write), which the kernel must match; `rope_write` dispatches. Both take and
+return the ring's arrays of one layer (k, v, k_scale, v_scale), not the ring.
 
 Kernel. Grid (T, Hq / HB + 1): program (t, j < Hq / HB) does HB q heads of token t, program (t, Hq / HB) its k and v
 and the ring write. A program reads row t of qkv as [H, Dh] head tiles, computes the norm
@@ -26,20 +27,29 @@ powers of two; anything else runs the reference.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from model.kv_ring import KVRing
+from ops.kv_write import write_rows
 from ops.layers import rms_norm, rope_neox
+from ops.tuning import fill
 
 IMPLS = ("ref", "pallas", "interpret")
-NUM_WARPS = 4
-# Programs per token for the q heads (each does Hq / Q_PROGRAMS heads; one more program does k, v and the ring
-# write). 1 is the kernel of commit 2477afa (one program per token, 4.9 us a call on the 30B shape: Hq 32, Dh 128).
-Q_PROGRAMS = 4
+
+
+class Tuning(NamedTuple):
+  """The kernel's tuning; a field left None takes `TUNING`'s: q_programs, programs per token for the q heads
+  (each does Hq / q_programs heads; one more program does k, v and the ring write), and Triton warps."""
+  q_programs: int | None = None
+  num_warps: int | None = None
+
+
+# q_programs 1 (one program per token) took 4.9 us a call on the 30B shape (Hq 32, Dh 128).
+TUNING = Tuning(q_programs=4, num_warps=4)
 
 
 def _is_pow2(n: int) -> bool:
@@ -57,13 +67,14 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int) -> st
   return None
 
 
-def rope_write_ref(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv_heads: int, head_dim: int,
+def rope_write_ref(qkv_TN, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv_heads: int, head_dim: int,
                    rope_dim: int, theta: float, offset: int, eps: float):
   """q [T, Hq, Dh] float32 (normed, rotated) and the ring arrays (k, v, k_scale, v_scale) with rows pos mod R
-  written; scales None for a float ring. q_norm / k_norm None when the model has no qk norm."""
-  T = qkv_TX.shape[0]
+  written (ops.kv_write.write_rows); scales None for a float ring. q_norm / k_norm None when the model has no qk
+  norm."""
+  T = qkv_TN.shape[0]
   Hq, Hkv, Dh = n_heads, n_kv_heads, head_dim
-  q, k, v = jnp.split(qkv_TX.astype(jnp.float32), [Hq * Dh, (Hq + Hkv) * Dh], axis=-1)
+  q, k, v = jnp.split(qkv_TN.astype(jnp.float32), [Hq * Dh, (Hq + Hkv) * Dh], axis=-1)
   q, k, v = q.reshape(T, Hq, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dh)
   if q_norm is not None:
     q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
@@ -71,9 +82,8 @@ def rope_write_ref(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv
   k = rope_neox(k, pos_T + offset, rope_dim, theta)
   kr, vr, ks, vs = ring_kv
   dtype = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}[kr.dtype]
-  one = KVRing((kr,), (vr,), None if ks is None else (ks,), None if vs is None else (vs,), jnp.zeros((), jnp.int32),
-               kr.shape[0], dtype)
-  return q, one.write(0, pos_T, k, v).layer(0)
+  return q, write_rows(kr, vr, ks, vs, pos_T % kr.shape[0], k, v, dtype)
+
 
 def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half: int, offset: int, eps: float,
             capacity: int, qk_norm: bool, quant: bool, HB: int):
@@ -146,32 +156,33 @@ def round_half_even(x):
   return f + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
 
 
-def head_block(n_heads: int, n_kv_heads: int, programs: int | None = None) -> int:
-  """q heads per program: Hq / Q_PROGRAMS (at least Hkv, at most Hq), so a token's q work is split over a few
+def head_block(n_heads: int, n_kv_heads: int, q_programs: int) -> int:
+  """q heads per program: Hq / q_programs (at least Hkv, at most Hq), so a token's q work is split over a few
   programs beside the one that writes k and v."""
-  return max(min(n_kv_heads, n_heads), n_heads // (programs or Q_PROGRAMS))
+  return max(min(n_kv_heads, n_heads), n_heads // q_programs)
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_kv_heads", "head_dim", "rope_dim", "theta", "offset", "eps",
-                                             "interpret", "q_programs"))
-def rope_write_pallas(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv_heads: int, head_dim: int,
+                                             "interpret", "tuning"))
+def rope_write_pallas(qkv_TN, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv_heads: int, head_dim: int,
                       rope_dim: int, theta: float, offset: int, eps: float, interpret: bool = False,
-                      q_programs: int | None = None):
+                      tuning: Tuning | None = None):
   """The kernel; same arguments and results as rope_write_ref. Inside a jitted step the ring
   arrays are updated in place (aliased); called on its own, XLA copies them first. Positions must be >= -offset (as
-  everywhere in the model). q_programs overrides Q_PROGRAMS (programs per token for the q heads)."""
-  T = qkv_TX.shape[0]
+  everywhere in the model). tuning (static): the fields to set over TUNING."""
+  T = qkv_TN.shape[0]
   Hq, Hkv, Dh = n_heads, n_kv_heads, head_dim
   why = supported(Hq, Hkv, Dh, rope_dim)
   if why is not None:
     raise ValueError(f"rope_write_pallas: {why}")
-  HB = head_block(Hq, Hkv, q_programs)
+  t = fill(tuning, TUNING)
+  HB = head_block(Hq, Hkv, t.q_programs)
   half = rope_dim // 2
   kr, vr, ks, vs = ring_kv
   quant = ks is not None
   qk_norm = q_norm is not None
   freq = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / rope_dim)       # as rope_neox
-  args = [jnp.asarray(pos_T, jnp.int32), freq, qkv_TX.astype(jnp.float32).reshape(T, Hq + 2 * Hkv, Dh)]
+  args = [jnp.asarray(pos_T, jnp.int32), freq, qkv_TN.astype(jnp.float32).reshape(T, Hq + 2 * Hkv, Dh)]
   if qk_norm:
     args += [q_norm.astype(jnp.float32), k_norm.astype(jnp.float32)]
   ring = [kr, vr] + ([ks, vs] if quant else [])
@@ -183,17 +194,18 @@ def rope_write_pallas(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n
   outs = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(T, Hq // HB + 1),
       input_output_aliases={first + i: 1 + i for i in range(len(ring))},
-      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=1),
       interpret=interpret, name="rope_ring_write")(*args)
   q, new = outs[0], outs[1:]
   return q, (new[0], new[1], new[2] if quant else None, new[3] if quant else None)
 
 
-def rope_write(qkv_TX, q_norm, k_norm, pos_T, ring_kv, *, impl: str, **kw):
-  """Dispatcher: impl "pallas" | "interpret" runs the kernel where `supported`, "ref" (or an unsupported shape)
-  the reference."""
+def rope_write(qkv_TN, q_norm, k_norm, pos_T, ring_kv, *, impl: str, tuning: Tuning | None = None, **kw):
+  """Dispatcher: impl "pallas" | "interpret" runs the kernel where `supported` (with `tuning`, static), "ref" (or
+  an unsupported shape) the reference."""
   if impl not in IMPLS:
     raise ValueError(f"rope_write: impl {impl!r}, expected one of {IMPLS}")
   if impl != "ref" and supported(kw["n_heads"], kw["n_kv_heads"], kw["head_dim"], kw["rope_dim"]) is None:
-    return rope_write_pallas(qkv_TX, q_norm, k_norm, pos_T, ring_kv, interpret=impl == "interpret", **kw)
-  return rope_write_ref(qkv_TX, q_norm, k_norm, pos_T, ring_kv, **kw)
+    return rope_write_pallas(qkv_TN, q_norm, k_norm, pos_T, ring_kv, interpret=impl == "interpret", tuning=tuning,
+                             **kw)
+  return rope_write_ref(qkv_TN, q_norm, k_norm, pos_T, ring_kv, **kw)

@@ -9,7 +9,7 @@ layer (dot, softmax, sort, gather, normalisation) with two.
 
   logits  grid (E / BE,): a program holds BE router rows and walks D in DC-wide chunks, one sequential float32
           accumulation per token (a static loop over the T tokens: each token's arithmetic is the same for any T).
-          BE, DC and the warps come from `logits_tiling` (its table: measured on the H200, docs/PERF.md).
+          BE, DC and the warps come from `Tuning` (its table `TUNING`: measured on the H200, docs/PERF.md).
   route   grid (T,): scores (softmax over E, or sigmoid), selection = scores (+ the selection bias), then K rounds
           of argmax (ties to the lower index, as lax.top_k) that pick an expert and mask it; the weights are the
           picked scores, normalised over the K picks (norm_topk) and scaled. Outputs are padded to KP = next power
@@ -20,6 +20,7 @@ Takes E and D powers of two and T <= MAX_T (decode, verify); anything else runs 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +28,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops.qtensor import QTensor
+from ops.tuning import fill
 
 IMPLS = ("ref", "pallas", "interpret")
 MAX_T = 16
 NORM_EPS = 6.103515625e-5          # the floor of the weights' sum under norm_topk (llama.cpp's)
-# Tuning of the logits kernel: programs per call (a program holds BE = E / programs router rows, 1 .. 16), D chunk,
-# warps. Until 2026-12-01: 32 programs, chunk 256, 4 warps, 6.3 us a call on the 30B shape (E 128 x D 2048, 1 MB
-# of float32: the latency of 8 dependent chunk loads, not bandwidth); `scripts/gpu/glue_bench.py` compares.
-LOGITS_TILING = {"programs": 64, "dc": 2048, "warps": 8}
-ROUTE_WARPS = 1                    # top-k kernel warps: one warp reduces E <= 512 scores with shuffles alone
+
+
+class Tuning(NamedTuple):
+  """The kernels' tuning; a field left None takes `TUNING`'s. programs: logits programs per call (a program holds
+  BE = E / programs router rows, 1 .. 16), dc: the D chunk, warps: the logits kernel's, route_warps: the top-k
+  kernel's (one warp reduces E <= 512 scores with shuffles alone)."""
+  programs: int | None = None
+  dc: int | None = None
+  warps: int | None = None
+  route_warps: int | None = None
+
+
+# 32 programs, chunk 256 and 4 warps took 6.3 us a call on the 30B shape (E 128 x D 2048, 1 MB of float32: the
+# latency of 8 dependent chunk loads, not bandwidth); `scripts/gpu/glue_bench.py` compares.
+TUNING = Tuning(programs=64, dc=2048, warps=8, route_warps=1)
 
 
 def _pow2(n: int) -> bool:
@@ -47,7 +59,7 @@ def supported(T: int, E: int, D: int, K: int) -> bool:
 
 
 def route_ref(logits_TE, bias_E, *, routing: str, top_k: int, norm_topk: bool, routed_scale: float):
-  """(ids [T, K] int32, weights [T, K] float32) from router logits: the model's routing."""
+  """(ids [T, X] int32, weights [T, X] float32) from router logits: the model's routing."""
   if routing == "softmax":
     probs = jax.nn.softmax(logits_TE, axis=-1)
     select = probs
@@ -64,10 +76,10 @@ def route_ref(logits_TE, bias_E, *, routing: str, top_k: int, norm_topk: bool, r
   return ids, w
 
 
-def logits_tiling(E: int, D: int, programs: int | None = None, dc: int | None = None) -> tuple[int, int]:
-  """(BE router rows per program, D chunk) for E experts and width D: LOGITS_TILING unless given."""
-  programs = programs or LOGITS_TILING["programs"]
-  return max(1, min(16, E // programs)), min(dc or LOGITS_TILING["dc"], D)
+def logits_tiling(E: int, D: int, tuning: Tuning | None = None) -> tuple[int, int]:
+  """(BE router rows per program, D chunk) for E experts and width D under `tuning` (over TUNING)."""
+  t = fill(tuning, TUNING)
+  return max(1, min(16, E // t.programs)), min(t.dc, D)
 
 
 def _logits_kernel(x_ref, w_ref, o_ref, *, T: int, BE: int, D: int, dc: int):
@@ -112,17 +124,16 @@ def _route_kernel(l_ref, *refs, E: int, K: int, KP: int, softmax: bool, has_bias
   w_ref[t, :] = w
 
 
-@functools.partial(jax.jit, static_argnames=("routing", "top_k", "norm_topk", "routed_scale", "interpret", "programs",
-                                             "dc", "warps", "route_warps"))
+@functools.partial(jax.jit, static_argnames=("routing", "top_k", "norm_topk", "routed_scale", "interpret", "tuning"))
 def route_pallas(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk: bool, routed_scale: float,
-                 interpret: bool = False, programs: int | None = None, dc: int | None = None, warps: int | None = None,
-                 route_warps: int | None = None):
-  """(ids [T, K] int32, weights [T, K] float32) for tokens x (the normed hidden states) and a float router.
-  programs / dc / warps / route_warps override the tuning table (LOGITS_TILING, ROUTE_WARPS)."""
+                 interpret: bool = False, tuning: Tuning | None = None):
+  """(ids [T, X] int32, weights [T, X] float32) for tokens x (the normed hidden states) and a float router.
+  tuning (static): the fields to set over TUNING."""
   T, D = x_TD.shape
   E = router_ED.shape[0]
-  BE, dc = logits_tiling(E, D, programs, dc)
-  cp = plgpu.CompilerParams(num_warps=warps or LOGITS_TILING["warps"], num_stages=2)
+  t = fill(tuning, TUNING)
+  BE, dc = logits_tiling(E, D, t)
+  cp = plgpu.CompilerParams(num_warps=t.warps, num_stages=2)
   logits = pl.pallas_call(functools.partial(_logits_kernel, T=T, BE=BE, D=D, dc=dc),
                           out_shape=jax.ShapeDtypeStruct((T, E), jnp.float32), grid=(E // BE,), compiler_params=cp,
                           interpret=interpret, name="router_logits")(x_TD.astype(jnp.float32),
@@ -134,22 +145,22 @@ def route_pallas(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk
       functools.partial(_route_kernel, E=E, K=top_k, KP=KP, softmax=routing == "softmax", has_bias=has_bias,
                         norm_topk=norm_topk, scale=routed_scale),
       out_shape=[jax.ShapeDtypeStruct((T, KP), jnp.int32), jax.ShapeDtypeStruct((T, KP), jnp.float32)],
-      grid=(T,), compiler_params=plgpu.CompilerParams(num_warps=route_warps or ROUTE_WARPS, num_stages=1),
+      grid=(T,), compiler_params=plgpu.CompilerParams(num_warps=t.route_warps, num_stages=1),
       interpret=interpret,
       name="router_topk")(*args)
   return ids[:, :top_k], w[:, :top_k]
 
 
 def route(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk: bool, routed_scale: float,
-          impl: str = "ref", logits_fn=None):
-  """Dispatcher. impl "pallas" | "interpret": the kernels where `supported` and the router is a float array;
-  otherwise (or "ref") logits_fn(x) (the model's linear; default a float32 dot) and route_ref."""
+          impl: str = "ref", logits_fn=None, tuning: Tuning | None = None):
+  """Dispatcher. impl "pallas" | "interpret": the kernels where `supported` and the router is a float array, with
+  `tuning` (static); otherwise (or "ref") logits_fn(x) (the model's linear; default a float32 dot) and route_ref."""
   if impl not in IMPLS:
     raise ValueError(f"route: impl {impl!r}, expected one of {IMPLS}")
   T, D = x_TD.shape
   kw = dict(routing=routing, top_k=top_k, norm_topk=norm_topk, routed_scale=routed_scale)
   if impl != "ref" and not isinstance(router_ED, QTensor) and supported(T, router_ED.shape[0], D, top_k):
-    return route_pallas(x_TD, router_ED, bias_E, interpret=impl == "interpret", **kw)
+    return route_pallas(x_TD, router_ED, bias_E, interpret=impl == "interpret", tuning=tuning, **kw)
   logits = logits_fn(x_TD) if logits_fn else jnp.einsum("td,ed->te", x_TD.astype(jnp.float32),
                                                         router_ED.astype(jnp.float32))
   return route_ref(logits, bias_E, **kw)

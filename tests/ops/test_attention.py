@@ -24,6 +24,9 @@ from model.kv_ring import KVRing
 from ops import attention, attention_pallas, prefill_attention_pallas
 from ops.attention import ring_attention, ring_attention_ref, ring_attention_ref_chunked
 from ops.attention_pallas import ring_attention_pallas, split_schedule, live_tiles
+from ops.tuning import Tunings
+
+AT = attention_pallas.Tuning
 
 DH = 16
 SCALE = DH ** -0.5
@@ -66,8 +69,8 @@ def test_kernel_matches_reference(dtype, T, G, R, depth):
   ring = _ring(R, depth, dtype, hkv)
   q, pos = _q(T, hkv * G), _pos(T, depth)
   ref = ring_attention_ref(q, *_layer(ring), pos, depth, block=32, scale=SCALE)
-  out = ring_attention_pallas(q, *_layer(ring), pos, depth, block=32, scale=SCALE, interpret=True, bk=16,
-                              dots="tf32x3")          # float32 in interpret mode; bf16x2 has its own test
+  out = ring_attention_pallas(q, *_layer(ring), pos, depth, block=32, scale=SCALE, interpret=True,
+                              tuning=AT(bk=16, dots="tf32x3"))   # float32 in interpret mode; bf16x2 has its own test
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
 
 
@@ -99,7 +102,7 @@ def test_capacity_invariance_bitwise(dtype, impl):
   T = 3
   q, pos = _q(T, 4), _pos(T, DEPTH)
   fn = {
-      "kernel": functools.partial(ring_attention_pallas, interpret=True, n_splits=SPLITS),
+      "kernel": functools.partial(ring_attention_pallas, interpret=True, tuning=AT(n_splits=SPLITS)),
       "ref": ring_attention_ref,
       "ref_chunked": functools.partial(ring_attention_ref_chunked, q_chunk=2),
   }[impl]
@@ -142,16 +145,16 @@ def test_tiles_visited_independent_of_capacity():
   counts = {}
   for R, ring in _capacity_rings("bf16").items():
     _, cnt = ring_attention_pallas(q, *_layer(ring), pos, DEPTH, block=256, scale=SCALE, interpret=True,
-                                   n_splits=SPLITS, count_visits=True)
+                                   tuning=AT(n_splits=SPLITS), count_visits=True)
     counts[R] = np.asarray(cnt)
-  bk = attention_pallas.tuning(DH, 256)[0]
+  bk = attention_pallas.config(DH, 256, 2, jnp.bfloat16).bk
   for R in CAPACITIES:
     np.testing.assert_array_equal(counts[R], counts[CAPACITIES[0]])
     assert counts[R].sum() == (DEPTH - 1) // bk + 1 and counts[R].max() == -(-((DEPTH - 1) // bk + 1) // SPLITS)
   # A wrapped ring visits its live tiles only: about R / bk of them, from the oldest live tile.
   ring = _ring(128, 300, "f32", 1)
   _, cnt = ring_attention_pallas(q, *_layer(ring), _pos(1, 300), 300, block=32, scale=SCALE, interpret=True,
-                                 bk=16, count_visits=True)
+                                 tuning=AT(bk=16), count_visits=True)
   assert int(np.asarray(cnt).sum()) == 299 // 16 - (300 - 128) // 16 + 1
 
 
@@ -184,6 +187,23 @@ def test_dispatch():
   np.testing.assert_array_equal(np.asarray(ring_attention(qp, *_layer(ring), pp, 100, block=32, scale=SCALE)), ref_p)
   a = ring_attention(qp, *_layer(ring), pp, 100, block=32, scale=SCALE, impl="interpret")
   np.testing.assert_allclose(np.asarray(a), ref_p, rtol=2e-5, atol=2e-6)
+  # Tunings: the impl for decode and prefill calls, and the kernels' tuning passed on (bitwise the direct call)
+  t = Tunings(attention_impl="interpret", attention=AT(bk=16, dots="tf32x3"))
+  np.testing.assert_array_equal(
+      np.asarray(ring_attention(q, *_layer(ring), pos, 100, block=32, scale=SCALE, tunings=t)),
+      np.asarray(ring_attention_pallas(q, *_layer(ring), pos, 100, block=32, scale=SCALE, interpret=True,
+                                       tuning=AT(bk=16, dots="tf32x3"))))
+  assert attention.default_impl(T, t) == "ref" and attention.default_impl(1, t) == "interpret"
+  tp = Tunings(prefill_attention_impl="interpret", prefill_attention=prefill_attention_pallas.Tuning(bk=16))
+  np.testing.assert_array_equal(
+      np.asarray(ring_attention(qp, *_layer(ring), pp, 100, block=32, scale=SCALE, tunings=tp)),
+      np.asarray(prefill_attention_pallas.prefill_attention_pallas(
+          qp, *_layer(ring), pp, 100, block=32, scale=SCALE, interpret=True,
+          tuning=prefill_attention_pallas.Tuning(bk=16))))
+  np.testing.assert_array_equal(np.asarray(ring_attention(q, *_layer(ring), pos, 100, block=32, scale=SCALE,
+                                                          tunings=tp)), np.asarray(ref))     # decode: still ref
+  with pytest.raises(ValueError, match="attention_impl"):
+    Tunings(attention_impl="xla")
   with pytest.raises(ValueError, match="impl"):
     ring_attention(q, *_layer(ring), pos, 100, block=32, scale=SCALE, impl="xla")
   with pytest.raises(ValueError, match="block=48"):
@@ -204,7 +224,7 @@ def test_kernel_bf16x2_dots_match_reference(dtype, T, G, R, depth):
   q, pos = _q(T, hkv * G), _pos(T, depth)
   ref = np.asarray(ring_attention_ref(q, *_layer(ring), pos, depth, block=32, scale=SCALE))
   out = np.asarray(ring_attention_pallas(q, *_layer(ring), pos, depth, block=32, scale=SCALE, interpret=True,
-                                         bk=16, dots="bf16x2"))
+                                         tuning=AT(bk=16, dots="bf16x2")))
   err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
   assert err < 5e-5, err
   one_bf16 = np.linalg.norm(np.asarray(q.astype(jnp.bfloat16), np.float32) - np.asarray(q)) / np.linalg.norm(q)
@@ -232,7 +252,8 @@ def test_kernel_dots_refused_and_f32_ring_stays_tf32():
   ring = _ring(64, 50, "f32", 1)
   q, pos = _q(1, 2), _pos(1, 50)
   with pytest.raises(ValueError, match="dots 'fp8'"):
-    ring_attention_pallas(q, *_layer(ring), pos, 50, block=32, scale=SCALE, interpret=True, bk=16, dots="fp8")
+    ring_attention_pallas(q, *_layer(ring), pos, 50, block=32, scale=SCALE, interpret=True,
+                          tuning=AT(bk=16, dots="fp8"))
   assert attention_pallas.dots_for("bf16x2", jnp.float32) == "tf32x3"
   assert attention_pallas.dots_for("bf16x2", jnp.int8) == "bf16x2"
 
@@ -244,27 +265,6 @@ def test_prefill_chunked_matches_reference():
   ref = ring_attention_ref(q, *_layer(ring), pos, 90, block=32, scale=SCALE)
   out = ring_attention_ref_chunked(q, *_layer(ring), pos, 90, block=32, scale=SCALE, q_chunk=16)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("T", [1, 3])
-def test_q_rows_gathered_in_the_kernel_equal_the_padded_layout(T, monkeypatch, request):
-  """attention_pallas.GATHER_Q: the kernel takes q [T, Hq, Dh] as is and gathers, scales and pads its rows itself;
-  the old layout (scaled, transposed and padded by XLA) gives bitwise the same output and log-sum-exp."""
-  rng = np.random.default_rng(T)
-  R, hkv, G, dh = 512, 2, 4, 64
-  q = jnp.asarray(rng.standard_normal((T, hkv * G, dh)), jnp.float32)
-  k, v = (jnp.asarray(rng.integers(-127, 128, (R, hkv, dh)), jnp.int8) for _ in range(2))
-  ks, vs = (jnp.asarray(rng.random((R, hkv)) * 0.02, jnp.float32) for _ in range(2))
-  pos = jnp.arange(300, 300 + T, dtype=jnp.int32)
-  request.addfinalizer(jax.clear_caches)              # no trace made under the patched choice outlives it
-  outs = []
-  for gather in (True, False):
-    monkeypatch.setattr(attention_pallas, "GATHER_Q", gather)
-    jax.clear_caches()                                             # read at trace time
-    outs.append(ring_attention_pallas(q, k, v, ks, vs, pos, 300 + T, block=256, scale=SCALE, interpret=True,
-                                      with_lse=True))
-  for a, b in zip(*outs):
-    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
 @pytest.mark.parametrize("platform,kind", [("cuda", "NVIDIA H200"), ("rocm", "gfx942")])
@@ -279,7 +279,7 @@ def test_kernel_lowers_for_gpu(platform, kind, dtype, dots):
   mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
                       abstract_device=AbstractDevice(device_kind=kind, num_cores=None, platform=platform))
   for T in (1, 8):
-    f = jax.jit(functools.partial(ring_attention_pallas, block=256, scale=dh ** -0.5, dots=dots))
+    f = jax.jit(functools.partial(ring_attention_pallas, block=256, scale=dh ** -0.5, tuning=AT(dots=dots)))
     args = (S((T, hkv * G, dh), jnp.float32), S((L, R, hkv, dh), st), S((L, R, hkv, dh), st), sc, sc,
             S((T,), jnp.int32), S((), jnp.int32), S((), jnp.int32))
     with use_abstract_mesh(mesh):
@@ -366,7 +366,7 @@ def test_verify_rows_equal_the_steps_bitwise_on_a_wrapped_ring():
                     jnp.asarray(rng.standard_normal((R, hkv, DH)), jnp.float32))
   q = _q(T, hkv * G, seed=7)
   f = jax.jit(lambda q, p, n, lo: ring_attention_pallas(q, *_layer(ring), p, n, block=32, scale=SCALE, interpret=True,
-                                                        bk=bk, n_splits=S, with_lse=True, lo_T=lo))
+                                                        tuning=AT(bk=bk, n_splits=S), with_lse=True, lo_T=lo))
   pos = L + jnp.arange(T, dtype=jnp.int32)
   full = f(q, pos, L + T, pos + 1 - W)
   for i in range(T):

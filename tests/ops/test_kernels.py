@@ -15,8 +15,11 @@ import pytest
 from ops import moe as moe_ops
 from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul, qmatmul_pallas, quant, repack
 from ops.qtensor import QTensor, with_kernels
+from ops.tuning import ByType, Tunings
 
 TYPES = qmatmul_pallas.KERNEL_TYPES
+QMM = qmatmul_pallas.Tuning
+SMALL = QMM(BN=16, S=2)                      # a small projection tile: several programs and K steps
 
 
 # Kernel and reference both sum in float32, in different orders. One matmul stays under 1e-5; the MoE chain
@@ -66,10 +69,11 @@ def test_x_view_index_matches_x_view(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_x_layouts_give_bitwise_equal_results(qtype, monkeypatch, request):
-  """The kernels read x in natural order or through the permuted view (qmatmul_pallas.NATURAL_X_MAX_B, a speed
-  choice per type): the same values enter the same arithmetic, so the matmul and the expert FFN (gate/up writing
-  h in the down type's layout, down reading it) are bitwise equal either way."""
+def test_x_layouts_give_bitwise_equal_results(qtype):
+  """The kernels read x in natural order or through the permuted view (the tile's natural_b, a speed choice per
+  type): the same values enter the same arithmetic, so the matmul and the expert FFN (gate/up writing h in the
+  down type's layout, down reading it) are bitwise equal either way, called directly and through the
+  dispatchers with a Tunings."""
   rng = np.random.default_rng(7)
   K = 2 * max(256, quant.GGML_TYPES[qtype][0] * 8)
   w = QTensor.from_gguf(quant.random_blocks(qtype, (37, K), rng), qtype, K)
@@ -79,16 +83,24 @@ def test_x_layouts_give_bitwise_equal_results(qtype, monkeypatch, request):
   down = QTensor.from_gguf(quant.random_blocks(qtype, (E, K, F), rng), qtype, F)
   ids = jnp.asarray([[0, 2], [3, 1], [2, 2]], jnp.int32)
   wk = jnp.asarray(rng.random((3, 2)), jnp.float32)
-  request.addfinalizer(jax.clear_caches)              # no trace made under the patched choice outlives it
   outs = []
   for natural in (0, 16):
-    monkeypatch.setattr(qmatmul_pallas, "NATURAL_X_MAX_B", {qtype: natural})
-    assert qmatmul_pallas.x_natural(qtype, 3) == bool(natural)
-    jax.clear_caches()                                          # read at trace time
-    outs.append((qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, overrides=dict(BN=16, S=2)),
-                 moe_pallas.moe_pallas(x, ids, wk, gate, up, down, interpret=True)))
+    tile = SMALL._replace(natural_b=natural)
+    assert qmatmul_pallas.x_natural(qmatmul_pallas.config(qtype, 37, K // quant.GGML_TYPES[qtype][0], tile), 3) == bool(natural)
+    nat = QMM(natural_b=natural)
+    moe_t = moe_pallas.Tuning(gateup=nat, down=nat)
+    tunings = Tunings(qmatmul=ByType(**{qtype: tile}), moe=ByType(**{qtype: moe_t}))
+    ki = [t.replace(kernel="interpret") for t in (w, gate, up, down)]
+    outs.append((qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, tuning=tile),
+                 moe_pallas.moe_pallas(x, ids, wk, gate, up, down, interpret=True, tuning=moe_t),
+                 qmatmul.qmatmul(x, ki[0], tunings=tunings),
+                 moe_ops.moe(x, ids, wk, *ki[1:], tunings=tunings)))
   for a, b in zip(*outs):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+  for o in outs:
+    np.testing.assert_array_equal(np.asarray(o[0]), np.asarray(o[2]))     # the dispatchers pass the tuning on
+    np.testing.assert_array_equal(np.asarray(o[1]), np.asarray(o[3]))
+  assert _relerr(outs[0][0], qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
   assert _relerr(outs[0][1], moe_ops.moe_ref(x, ids, wk, gate, up, down)) < TOL_MOE
 
 
@@ -100,26 +112,24 @@ def test_qmatmul_interpret_matches_reference(qtype, B):
   N = 37                                                                  # odd: clamped rows
   w = QTensor.from_gguf(quant.random_blocks(qtype, (N, K), rng), qtype, K)
   x = jnp.asarray(rng.standard_normal((B, K)).astype(np.float32))
-  y = qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, overrides=dict(BN=16, S=2))
+  y = qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, tuning=SMALL)
   r = qmatmul.qmatmul_ref(x, w)
   assert y.shape == (B, N)
   assert _relerr(y, r) < TOL_MATMUL
 
 
-@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
-def test_k_quant_tile_forms_match_reference(qtype, fold, retrace):
-  """Both forms of the Q4_K / Q5_K tile (qmatmul_pallas.FOLD_K: word-shaped contributions summed once by the caller,
-  or a reduction per sub-block) match the reference, in the projection kernel at B = 3 and in both MoE kernels;
-  and the projection's rows do not depend on the batch in either form (DESIGN invariant 3)."""
-  retrace(qmatmul_pallas, "FOLD_K", fold)
-  rng = _rng(qtype, int(fold))
+def test_k_quant_tile_matches_reference(qtype):
+  """The Q4_K / Q5_K tile (word-shaped contributions summed once by the caller) matches the reference, in the
+  projection kernel at B = 3 and in both MoE kernels; and the projection's rows do not depend on the batch
+  (DESIGN invariant 3)."""
+  rng = _rng(qtype, 1)
   K, N = 1024, 37
   w = QTensor.from_gguf(quant.random_blocks(qtype, (N, K), rng), qtype, K)
   x = jnp.asarray(rng.standard_normal((3, K)).astype(np.float32))
-  y = qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, overrides=dict(BN=16, S=2))
+  y = qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, tuning=SMALL)
   assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
-  y1 = qmatmul_pallas.qmatmul_pallas(x[1:2], w, interpret=True, overrides=dict(BN=16, S=2))
+  y1 = qmatmul_pallas.qmatmul_pallas(x[1:2], w, interpret=True, tuning=SMALL)
   np.testing.assert_array_equal(np.asarray(y[1:2]), np.asarray(y1))
   E, F, D = 4, 256, 512
   g, u = (QTensor.from_gguf(quant.random_blocks(qtype, (E, F, D), rng), qtype, D) for _ in range(2))
@@ -129,43 +139,6 @@ def test_k_quant_tile_forms_match_reference(qtype, fold, retrace):
   wk = jnp.asarray(rng.random((2, 2)).astype(np.float32))
   ym = moe_pallas.moe_pallas(xm, ids, wk, g, u, d, interpret=True)
   assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
-
-
-def test_iq3s_grid_forms_are_bitwise_the_same(retrace):
-  """The 16-bit IQ3_S grid table (qmatmul_pallas.IQ3S_GRID16: 4 x 3-bit codes, magnitude 2c + 1) decodes to the
-  GGUF grid; the projection and the prefill GEMM give bitwise the results of the 32-bit table (the same
-  magnitudes reach the same arithmetic), the MoE kernels the same within float rounding; all match the reference."""
-  rng = _rng("iq3s-grid16")
-  K, N, E, F, D = 512, 37, 4, 256, 512
-  w = QTensor.from_gguf(quant.random_blocks("IQ3_S", (N, K), rng), "IQ3_S", K)
-  w48 = QTensor.from_gguf(quant.random_blocks("IQ3_S", (48, K), rng), "IQ3_S", K)
-  x = jnp.asarray(rng.standard_normal((3, K)).astype(np.float32))
-  xt = jnp.asarray(rng.standard_normal((17, K)).astype(np.float32))
-  g, u = (QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng), "IQ3_S", D) for _ in range(2))
-  d = QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, D, F), rng), "IQ3_S", F)
-  xm = jnp.asarray(rng.standard_normal((2, D)).astype(np.float32))
-  ids = jnp.asarray([[0, 3], [2, 1]], jnp.int32)
-  wk = jnp.asarray(rng.random((2, 2)).astype(np.float32))
-  out = {}
-  for form in (False, True):
-    retrace(qmatmul_pallas, "IQ3S_GRID16", form)
-    tab = np.asarray(qmatmul_pallas.table("IQ3_S"))
-    if form:
-      assert tab.dtype == np.uint16 and tab.nbytes < 1200
-      codes = tab[:512].astype(np.int64)
-      grid = np.stack([2 * ((codes >> (3 * m)) & 7) + 1 for m in range(4)], axis=1)
-      np.testing.assert_array_equal(grid, quant.IQ3_S_GRID)
-    out[form] = [qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, overrides=dict(BN=16, S=2)),
-                 moe_pallas.moe_pallas(xm, ids, wk, g, u, d, interpret=True),
-                 qgemm_pallas.qgemm_pallas(xt, w48, interpret=True, overrides=dict(BN=16))]
-    assert _relerr(out[form][0], qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
-    assert _relerr(out[form][1], moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
-    assert _relerr(out[form][2], qmatmul.qmatmul_ref(xt, w48)) < TOL_MATMUL
-  for i in (0, 2):
-    np.testing.assert_array_equal(np.asarray(out[False][i]), np.asarray(out[True][i]))
-  # the MoE chain in interpret mode: XLA CPU compiles the two graphs' sums in different orders (1.6e-7); a wrong
-  # magnitude would be off by 1e-2 or more
-  assert _relerr(out[True][1], out[False][1]) < 1e-6
 
 
 # every type appears once as gate/up and once as down
@@ -183,8 +156,8 @@ def test_moe_interpret_matches_reference(gq, dq, B):
   x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
   ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
   w = jnp.asarray(rng.random((B, K)).astype(np.float32))
-  ov = {"gateup": dict(BN=64, S=1, unroll=0), "down": dict(BN=64, S=1, unroll=0)}
-  y = moe_pallas.moe_pallas(x, ids, w, g, u, d, interpret=True, overrides=ov)
+  ov = moe_pallas.Tuning(gateup=QMM(BN=64, S=1, unroll=0), down=QMM(BN=64, S=1, unroll=0))
+  y = moe_pallas.moe_pallas(x, ids, w, g, u, d, interpret=True, tuning=ov)
   r = moe_ops.moe_ref(x, ids, w, g, u, d)
   assert y.shape == (B, D)
   assert _relerr(y, r) < TOL_MOE
@@ -202,8 +175,8 @@ def test_moe_stacked_layer_index_matches_reference(gq, dq):
   x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
   ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
   w = jnp.asarray(rng.random((B, K)).astype(np.float32))
-  ov = {"gateup": dict(BN=64, S=1), "down": dict(BN=64, S=1)}
-  f = jax.jit(lambda l: moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=l, interpret=True, overrides=ov))
+  ov = moe_pallas.Tuning(gateup=QMM(BN=64, S=1), down=QMM(BN=64, S=1))
+  f = jax.jit(lambda l: moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=l, interpret=True, tuning=ov))
   for l in (0, 2):
     r = moe_ops.moe_ref(x, ids, w, g[l], u[l], d[l])
     assert _relerr(f(jnp.int32(l)), r) < TOL_MOE
@@ -222,62 +195,18 @@ def test_moe_split_k_matches_reference(ks):
   x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
   ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
   w = jnp.asarray(rng.random((B, K)).astype(np.float32))
-  ov = {"gateup": dict(BN=64, S=1, KS=ks), "down": dict(BN=64, S=1)}
-  y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, overrides=ov)
+  ov = moe_pallas.Tuning(gateup=QMM(BN=64, S=1), down=QMM(BN=64, S=1), ks=ks)
+  y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, tuning=ov)
   assert _relerr(y, moe_ops.moe_ref(x, ids, w, g[1], u[1], d[1])) < TOL_MOE
-  with pytest.raises(ValueError, match="KS=3"):
-    moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, overrides={"gateup": dict(KS=3)})
-
-
-@pytest.mark.parametrize("dq", ["Q4_K", "IQ3_S"])
-def test_moe_down_with_the_topk_sum_matches_reference_and_is_batch_invariant(dq):
-  """Down tile option KSUM (each program sums its token's K pairs in order): equal to the reference, stacked and
-  not; a token's row bitwise the same whether it runs alone or with 3 others (a verify pass against its steps);
-  and refused on the gate/up kernel."""
-  rng = np.random.default_rng(14)
-  L, E, F, D, K, B = 2, 5, 256, 512, 3, 4
-  g = QTensor.from_gguf(quant.random_blocks("IQ3_S", (L, E, F, D), rng), "IQ3_S", D)
-  u = QTensor.from_gguf(quant.random_blocks("IQ3_S", (L, E, F, D), rng), "IQ3_S", D)
-  d = QTensor.from_gguf(quant.random_blocks(dq, (L, E, D, F), rng), dq, F)
-  x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
-  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
-  w = jnp.asarray(rng.random((B, K)).astype(np.float32))
-  ov = {"gateup": dict(BN=64, S=1), "down": dict(BN=64, S=1, KSUM=True)}
-  y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, overrides=ov)
-  assert y.shape == (B, D)
-  assert _relerr(y, moe_ops.moe_ref(x, ids, w, g[1], u[1], d[1])) < TOL_MOE
-  g0, u0, d0 = g[0], u[0], d[0]
-  y0 = moe_pallas.moe_pallas(x, ids, w, g0, u0, d0, interpret=True, overrides=ov)
-  assert _relerr(y0, moe_ops.moe_ref(x, ids, w, g0, u0, d0)) < TOL_MOE
-  for t in range(B):
-    alone = moe_pallas.moe_pallas(x[t:t + 1], ids[t:t + 1], w[t:t + 1], g0, u0, d0, interpret=True, overrides=ov)
-    np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(y0[t]))
-  with pytest.raises(ValueError, match="KSUM"):
-    moe_pallas.moe_pallas(x, ids, w, g0, u0, d0, interpret=True, overrides={"gateup": dict(KSUM=True)})
-
-  def down_rows(overrides):                  # rows the down kernel writes: one per token with KSUM, else per pair
-    jaxpr = jax.make_jaxpr(lambda x: moe_pallas.moe_pallas(x, ids, w, g0, u0, d0, interpret=True,
-                                                           overrides=overrides))(x)
-    calls = []
-
-    def walk(jx):
-      for e in jx.eqns:
-        if e.primitive.name == "pallas_call":
-          calls.append(e.outvars[0].aval.shape)
-        for v in e.params.values():
-          sub = getattr(v, "jaxpr", v)
-          if hasattr(sub, "eqns"):
-            walk(sub)
-    walk(jaxpr.jaxpr)
-    return calls[-1][0]
-  assert (down_rows(ov), down_rows({"gateup": dict(BN=64, S=1), "down": dict(BN=64, S=1)})) == (B, B * K)
+  with pytest.raises(ValueError, match="ks=3"):
+    moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, tuning=moe_pallas.Tuning(ks=3))
 
 
 def test_qmatmul_stacked_layer_index_matches_reference():
   rng = np.random.default_rng(12)
   w = QTensor.from_gguf(quant.random_blocks("Q4_K", (3, 40, 512), rng), "Q4_K", 512)
   x = jnp.asarray(rng.standard_normal((2, 512)).astype(np.float32))
-  f = jax.jit(lambda l: qmatmul_pallas.qmatmul_pallas(x, w, layer=l, interpret=True, overrides=dict(BN=16, S=1)))
+  f = jax.jit(lambda l: qmatmul_pallas.qmatmul_pallas(x, w, layer=l, interpret=True, tuning=QMM(BN=16, S=1)))
   for l in (0, 2):
     assert _relerr(f(jnp.int32(l)), qmatmul.qmatmul_ref(x, w[l])) < TOL_MATMUL
 
@@ -292,7 +221,7 @@ def test_qgemm_interpret_matches_reference(qtype):
   w = QTensor.from_gguf(quant.random_blocks(qtype, (N, K), rng), qtype, K)
   for T in (17, 40):
     x = jnp.asarray(rng.standard_normal((T, K)).astype(np.float32))
-    y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
+    y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, tuning=qgemm_pallas.Tuning(BN=16))
     assert y.shape == (T, N)
     assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
 
@@ -332,41 +261,45 @@ def test_split_bf16_xla_is_bitwise_the_kernel_split():
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
-@pytest.mark.parametrize("form", ["presplit", "v1"])
-def test_qgemm_forms_agree(form, retrace):
-  """Both kernel forms of ops.qgemm_pallas (kept for in-process A/B runs on the GPU) against the reference, dense
-  and grouped: the split x operands and the accumulation order are all that differ."""
-  retrace(qgemm_pallas, "GEMM_FORM", form)
-  rng = _rng("forms", form)
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_qgemm_precisions_match_reference(precision):
+  """Both prefill precisions against the reference, dense and grouped, called directly and through the
+  dispatchers: "f32" (three bf16 MMAs) within float32 rounding, "bf16" (one MMA) within bf16's."""
+  tol = TOL_MOE if precision == "f32" else 1e-2
+  rng = _rng("forms", precision)
   w = QTensor.from_gguf(quant.random_blocks("Q4_K", (32, 512), rng), "Q4_K", 512)
   x = jnp.asarray(rng.standard_normal((20, 512)).astype(np.float32))
-  y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
-  assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
+  tile = qgemm_pallas.Tuning(BN=16)
+  y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, tuning=tile, precision=precision)
+  assert _relerr(y, qmatmul.qmatmul_ref(x, w)) < (TOL_MATMUL if precision == "f32" else 5e-3)
+  yd = qmatmul.qmatmul(x, w.replace(kernel="interpret"), tunings=Tunings(qgemm=tile), precision=precision)
+  np.testing.assert_array_equal(np.asarray(yd), np.asarray(y))
   E, F, D, K, T = 3, 256, 256, 2, 20
   g, u = (QTensor.from_gguf(quant.random_blocks("IQ3_S", (E, F, D), rng), "IQ3_S", D) for _ in range(2))
   d = QTensor.from_gguf(quant.random_blocks("Q8_0", (E, D, F), rng), "Q8_0", F)
   ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
   wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
   xm = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
-  ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, rows=16,
-                                             overrides={"gateup": dict(BN=64), "down": dict(BN=64)})
-  assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < TOL_MOE
+  gt = moe_grouped_pallas.Tuning(gateup=qgemm_pallas.Tuning(BN=64), down=qgemm_pallas.Tuning(BN=64), rows=16)
+  ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, tuning=gt, precision=precision)
+  assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < tol
+  ki = [t.replace(kernel="interpret") for t in (g, u, d)]
+  ymd = moe_ops.moe(xm, ids, wk, *ki, tunings=Tunings(grouped=ByType(IQ3_S=gt)), precision=precision)
+  np.testing.assert_array_equal(np.asarray(ymd), np.asarray(ym))
 
 
-@pytest.mark.parametrize("form,qtype", [("x1", "Q4_K"), ("x1", "IQ3_S"), ("x2", "Q8_0"), ("x2", "Q6_K")])
-def test_qgemm_bf16_forms_are_their_rounded_products(form, qtype, retrace):
-  """The faster prefill forms compute exactly the product of rounded operands: "x1" is bf16(x) . bf16(w) and
-  "x2" is bf16(x) . w, each accumulated in float32, so against a float32 reference on those rounded operands only
-  the summation order differs (1e-5); against the unrounded product they sit at bf16's ~2e-3, and the routed-
-  expert chain (two GEMMs, h rounded between them) within 1e-2 of the float32 reference."""
-  retrace(qgemm_pallas, "GEMM_FORM", form)
-  rng = _rng("bf16 forms", form, qtype)
+@pytest.mark.parametrize("qtype", ["Q4_K", "IQ3_S"])
+def test_qgemm_bf16_is_the_rounded_product(qtype):
+  """Precision "bf16" (the form "x1") computes exactly the product of rounded operands, bf16(x) . bf16(w)
+  accumulated in float32, so against a float32 reference on those rounded operands only the summation order
+  differs (1e-5); against the unrounded product it sits at bf16's ~2e-3, and the routed-expert chain (two GEMMs,
+  h rounded between them) within 1e-2 of the float32 reference."""
+  rng = _rng("bf16 forms", "x1", qtype)
   w = QTensor.from_gguf(quant.random_blocks(qtype, (32, 512), rng), qtype, 512)
   x = jnp.asarray(rng.standard_normal((20, 512)).astype(np.float32))
-  y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, overrides=dict(BN=16))
+  y = qgemm_pallas.qgemm_pallas(x, w, interpret=True, tuning=qgemm_pallas.Tuning(BN=16), precision="bf16")
   rnd = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)                               # noqa: E731
-  wd = w.dense(jnp.float32)
-  ref = jnp.einsum("tk,nk->tn", rnd(x), rnd(wd) if form == "x1" else wd, precision="highest")
+  ref = jnp.einsum("tk,nk->tn", rnd(x), rnd(w.dense(jnp.float32)), precision="highest")
   assert _relerr(y, ref) < TOL_MATMUL
   full = _relerr(y, qmatmul.qmatmul_ref(x, w))
   assert 1e-4 < full < 5e-3, full                        # rounded, and by no more than bf16's half ulp allows
@@ -375,14 +308,14 @@ def test_qgemm_bf16_forms_are_their_rounded_products(form, qtype, retrace):
   ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
   wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
   xm = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
-  ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, rows=16,
-                                             overrides={"gateup": dict(BN=64), "down": dict(BN=64)})
+  gt = moe_grouped_pallas.Tuning(gateup=qgemm_pallas.Tuning(BN=64), down=qgemm_pallas.Tuning(BN=64), rows=16)
+  ym = moe_grouped_pallas.moe_grouped_pallas(xm, ids, wk, g, u, d, interpret=True, tuning=gt, precision="bf16")
   assert _relerr(ym, moe_ops.moe_ref(xm, ids, wk, g, u, d)) < 1e-2
 
 
 def _eqn_shapes(fn, *args):
   """(primitive, output shape) of every equation in fn's jaxpr, nested jaxprs (jit, pallas_call bodies aside)
-  included: what a layout switch must change."""
+  included."""
   out = []
 
   def walk(jaxpr):
@@ -395,14 +328,11 @@ def _eqn_shapes(fn, *args):
   return out
 
 
-@pytest.mark.parametrize("switch,modes", [("COMBINE", ("scatter", "gather")), ("GATHER_X", ("xla", "kernel"))])
-def test_grouped_layout_switches_are_bitwise_the_same(retrace, switch, modes):
-  """The grouped GEMM's two layout switches (ops.moe_grouped_pallas, kept for the GPU A/Bs), each its old way
-  against the default: the same values, bit for bit, with experts of many, one and no tokens. COMBINE: the rows
-  back in pair order, scattered to [P, D] first or gathered by the k-sum (no [P, D] scatter in the program);
-  GATHER_X: x's rows gathered into tile order by XLA or loaded by the gate/up kernel by token index (no
-  rank-3 gather in the program)."""
-  rng = _rng("switch", switch)
+def test_grouped_layout_writes_no_row_copies():
+  """The grouped GEMM with experts of many, one and no tokens matches the reference, and its program holds no
+  [P, D] scatter (each pair's row is gathered by the k-sum) and no rank-3 gather of x (the gate/up kernel loads
+  its rows by token index)."""
+  rng = _rng("switch", "layout")
   E, F, D, K, T = 5, 256, 256, 3, 23
   g, u = (QTensor.from_gguf(quant.random_blocks("Q8_0", (E, F, D), rng), "Q8_0", D) for _ in range(2))
   d = QTensor.from_gguf(quant.random_blocks("Q4_K", (E, D, F), rng), "Q4_K", F)
@@ -410,31 +340,23 @@ def test_grouped_layout_switches_are_bitwise_the_same(retrace, switch, modes):
   ids[0] = [0, 1, 2]                                                                          # and skewed counts
   wk = jnp.asarray(rng.random((T, K)).astype(np.float32))
   x = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
-  ys, ops = {}, {}
-  for mode in modes:
-    retrace(moe_grouped_pallas, switch, mode)
-    f = lambda x, i, w: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d, interpret=True, rows=16)
-    ys[mode] = np.asarray(f(x, jnp.asarray(ids), wk))
-    ops[mode] = _eqn_shapes(f, x, jnp.asarray(ids), wk)
-  np.testing.assert_array_equal(ys[modes[1]], ys[modes[0]])
-  assert _relerr(ys[modes[1]], moe_ops.moe_ref(x, jnp.asarray(ids), wk, g, u, d)) < TOL_MOE
-  old_op = (lambda p, s: p == "scatter" and s == (T * K, D)) if switch == "COMBINE" else \
-           (lambda p, s: p == "gather" and len(s) == 3)
-  assert any(old_op(*o) for o in ops[modes[0]]) and not any(old_op(*o) for o in ops[modes[1]])
+  t = moe_grouped_pallas.Tuning(rows=16)
+  f = lambda x, i, w: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d, interpret=True, tuning=t)  # noqa: E731
+  y = np.asarray(f(x, jnp.asarray(ids), wk))
+  assert _relerr(y, moe_ops.moe_ref(x, jnp.asarray(ids), wk, g, u, d)) < TOL_MOE
+  ops = _eqn_shapes(f, x, jnp.asarray(ids), wk)
+  assert not any(p == "scatter" and s == (T * K, D) for p, s in ops)
+  assert not any(p == "gather" and len(s) == 3 for p, s in ops)
 
 
-def test_prefill_precision_picks_the_form(monkeypatch):
-  """--prefill_precision: auto is float32-accurate off the GPU (the CPU tests' interpret runs) and one bf16 MMA
-  on it; f32 and bf16 force a form; anything else is a one-line error naming the flag."""
-  monkeypatch.setattr(qgemm_pallas, "GEMM_FORM", None)
-  assert qgemm_pallas.gemm_form() == "presplit"                # this CPU
-  for p, f in (("bf16", "x1"), ("f32", "presplit"), ("auto", None)):
-    qgemm_pallas.set_precision(p)
-    assert qgemm_pallas.GEMM_FORM == f
-  qgemm_pallas.set_precision("bf16")
-  assert [qgemm_pallas.prefill_gemm(k) for k in ("xla", "pallas", "interpret")] == ["xla", "x1", "x1"]   # records
-  with pytest.raises(ValueError, match="prefill_precision: 'fp8'"):
-    qgemm_pallas.set_precision("fp8")
+def test_prefill_precision_picks_the_form():
+  """The prefill precision: auto is float32-accurate off the GPU (the CPU tests' interpret runs) and one bf16 MMA
+  on it; f32 and bf16 force a form; anything else is a one-line error."""
+  assert qgemm_pallas.form() == qgemm_pallas.form("auto") == "presplit"          # this CPU
+  assert (qgemm_pallas.form("bf16"), qgemm_pallas.form("f32")) == ("x1", "presplit")
+  assert [qgemm_pallas.prefill_gemm(k, "bf16") for k in ("xla", "pallas", "interpret")] == ["xla", "x1", "x1"]
+  with pytest.raises(ValueError, match="precision: 'fp8'"):
+    qgemm_pallas.form("fp8")
 
 
 @pytest.mark.parametrize("gq,dq,T,E,K", [("IQ3_S", "Q4_K", 40, 8, 2), ("Q8_0", "Q6_K", 23, 5, 3),
@@ -450,8 +372,8 @@ def test_moe_grouped_interpret_matches_reference(gq, dq, T, E, K):
   x = jnp.asarray(rng.standard_normal((T, D)).astype(np.float32))
   ids = np.stack([rng.choice(E - 1, K, replace=False) for _ in range(T)]).astype(np.int32)   # expert E-1: none
   w = jnp.asarray(rng.random((T, K)).astype(np.float32))
-  ov = {"gateup": dict(BN=64), "down": dict(BN=128)}
-  y = moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), w, g, u, d, interpret=True, overrides=ov, rows=16)
+  ov = moe_grouped_pallas.Tuning(gateup=qgemm_pallas.Tuning(BN=64), down=qgemm_pallas.Tuning(BN=128), rows=16)
+  y = moe_grouped_pallas.moe_grouped_pallas(x, jnp.asarray(ids), w, g, u, d, interpret=True, tuning=ov)
   assert _relerr(y, moe_ops.moe_ref(x, jnp.asarray(ids), w, g, u, d)) < TOL_MOE
   # dispatch: more than 16 tokens with kernel "interpret" takes the grouped kernels
   y2 = moe_ops.moe(x, jnp.asarray(ids), w, *(t.replace(kernel="interpret") for t in (g, u, d)))

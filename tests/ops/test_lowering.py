@@ -62,26 +62,25 @@ def test_moe_stacked_and_split_k_lower(platform):
   x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
   ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   w = jax.ShapeDtypeStruct((1, 8), jnp.float32)
-  ov = {"gateup": dict(KS=4)}
+  ov = moe_pallas.Tuning(ks=4)
   txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(2),
-                                                                        overrides=ov), x, ids, w, g, g, d)
+                                                                        tuning=ov), x, ids, w, g, g, d)
   assert txt.count("__gpu$xla.gpu.triton") == 2
 
 
-@pytest.fixture(params=["presplit", "x1"])
-def gemm_form(request, retrace):
+@pytest.fixture(params=["f32", "bf16"])
+def precision(request):
   """The prefill GEMM's float32-accurate form (the CPU default) and the one-MMA form a GPU takes by default."""
-  retrace(qgemm_pallas, "GEMM_FORM", request.param)
   return request.param
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
 @pytest.mark.parametrize("qtype", qmatmul_pallas.KERNEL_TYPES)
-def test_qgemm_lowers(qtype, platform, gemm_form):
+def test_qgemm_lowers(qtype, platform, precision):
   """The tensor-core GEMM for prefill rows (bf16 dots of dequantized pieces) lowers for both GPU platforms."""
   w = _abstract_qtensor(qtype, (5120, 2048))
   x = jax.ShapeDtypeStruct((100, 2048), jnp.float32)
-  txt = _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), x, w)
+  txt = _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w, precision=precision), x, w)
   assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -92,8 +91,8 @@ def _triton_ir(txt: str, name: str) -> str:
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
-def test_qgemm_forms_lower_to_their_own_kernels(platform, retrace):
-  """The form reaches the kernel: x1's Triton module (one bf16 dot per piece) is smaller than presplit's (three
+def test_qgemm_forms_lower_to_their_own_kernels(platform):
+  """The precision reaches the kernel: bf16's Triton module (one bf16 dot per piece) is smaller than f32's (three
   dots accumulating), for a dense and a grouped GEMM."""
   w = _abstract_qtensor("Q8_0", (5120, 2048))
   x = jax.ShapeDtypeStruct((100, 2048), jnp.float32)
@@ -102,78 +101,25 @@ def test_qgemm_forms_lower_to_their_own_kernels(platform, retrace):
   g = _abstract_qtensor("IQ3_S", (128, 768, 2048))
   d = _abstract_qtensor("IQ3_S", (128, 2048, 768))
   size = {}
-  for form in ("presplit", "x1"):
-    retrace(qgemm_pallas, "GEMM_FORM", form)
-    dense = _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), x, w)
-    grouped = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
+  for p in ("f32", "bf16"):
+    dense = _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w, precision=p), x, w)
+    grouped = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d,
+                                                                                           precision=p),
                      x, ids, wk, g, g, d)
-    size[form] = len(_triton_ir(dense, "qgemm_q8_0")), len(_triton_ir(grouped, "qgemm_pair_iq3_s"))
-  assert all(a < 0.9 * b for a, b in zip(size["x1"], size["presplit"])), size
+    size[p] = len(_triton_ir(dense, "qgemm_q8_0")), len(_triton_ir(grouped, "qgemm_pair_iq3_s"))
+  assert all(a < 0.9 * b for a, b in zip(size["bf16"], size["f32"])), size
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
 @pytest.mark.parametrize("gq,dq", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q8_0", "IQ4_XS")])
-def test_moe_grouped_lowers(gq, dq, platform, gemm_form):
+def test_moe_grouped_lowers(gq, dq, platform, precision):
   """The grouped prefill GEMM (row tiles of one expert) lowers for both GPU platforms."""
   g = _abstract_qtensor(gq, (128, 768, 2048))
   d = _abstract_qtensor(dq, (128, 2048, 768))
   x = jax.ShapeDtypeStruct((512, 2048), jnp.float32)
   ids = jax.ShapeDtypeStruct((512, 8), jnp.int32)
   w = jax.ShapeDtypeStruct((512, 8), jnp.float32)
-  txt = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
+  txt = _lower(platform, lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d,
+                                                                                         precision=precision),
                x, ids, w, g, g, d)
-  assert txt.count("__gpu$xla.gpu.triton") == 2
-
-
-@pytest.mark.parametrize("platform", list(DEVICES))
-@pytest.mark.parametrize("dq", ["Q4_K", "IQ3_S"])
-def test_moe_down_with_the_topk_sum_lowers(platform, dq):
-  """The down kernel's KSUM option (a loop over the token's K pairs in the program) lowers, stacked and not."""
-  x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
-  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-  w = jax.ShapeDtypeStruct((1, 8), jnp.float32)
-  ov = {"down": {"KSUM": True}}
-  g, d = _abstract_qtensor("IQ3_S", (128, 768, 2048)), _abstract_qtensor(dq, (128, 2048, 768))
-  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, overrides=ov), x, ids, w, g, g, d)
-  assert txt.count("__gpu$xla.gpu.triton") == 2
-  gs, ds = _abstract_qtensor("IQ3_S", (2, 128, 768, 2048)), _abstract_qtensor(dq, (2, 128, 2048, 768))
-  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(1),
-                                                                        overrides=ov), x, ids, w, gs, gs, ds)
-  assert txt.count("__gpu$xla.gpu.triton") == 2
-
-
-@pytest.mark.parametrize("platform", list(DEVICES))
-def test_bench_floor_kernels_lower(platform):
-  """bench.kernels's part (b) floor (the step's launches without weight bytes) lowers for both GPU platforms."""
-  from ops import bench
-  x = jax.ShapeDtypeStruct((1, bench.D), jnp.float32)
-  ids = jax.ShapeDtypeStruct((2, 1, bench.TOPK), jnp.int32)
-  w = jax.ShapeDtypeStruct((2, 1, bench.TOPK), jnp.float32)
-  txt = _lower(platform, bench._floor_fn("Q4_K").__wrapped__, x, ids, w)
-  assert txt.count("__gpu$xla.gpu.triton") == 4                   # two layers x (gate/up-like, down-like)
-
-
-@pytest.mark.parametrize("platform", list(DEVICES))
-def test_bench_launch_chain_lowers(platform):
-  """bench.kernels's launch floor (layers x n trivial dependent kernels) lowers for both GPU platforms."""
-  from ops import bench
-  x = jax.ShapeDtypeStruct((1, bench.D), jnp.float32)
-  txt = _lower(platform, bench._chain_fn(2, 3).__wrapped__, x)
-  assert txt.count("__gpu$xla.gpu.triton") == 6
-
-
-@pytest.mark.parametrize("platform", list(DEVICES))
-def test_iq3s_grid16_kernels_lower(platform, retrace):
-  """With the 16-bit IQ3_S grid table (qmatmul_pallas.IQ3S_GRID16: a uint16 gather) the projection, the MoE
-  kernels and the prefill GEMM still lower for both GPU platforms."""
-  retrace(qmatmul_pallas, "IQ3S_GRID16", True)
-  w = _abstract_qtensor("IQ3_S", (4096, 2048))
-  x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
-  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w), x, w)
-  xt = jax.ShapeDtypeStruct((64, 2048), jnp.float32)
-  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w: qgemm_pallas.qgemm_pallas(x, w), xt, w)
-  g, d = _abstract_qtensor("IQ3_S", (128, 768, 2048)), _abstract_qtensor("IQ3_S", (128, 2048, 768))
-  ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-  wk = jax.ShapeDtypeStruct((1, 8), jnp.float32)
-  txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d), x, ids, wk, g, g, d)
   assert txt.count("__gpu$xla.gpu.triton") == 2

@@ -1,0 +1,85 @@
+"""Kernel tuning as static values: `Tunings` bundles one optional tuning value per kernel and the attention impls.
+
+Each kernel module defines its tuning as a NamedTuple `Tuning` whose fields default to None, and a table of
+complete values (keyed by quant type, head dim, ...). A kernel takes `tuning=None` as a static argument: the
+fields a value sets replace the table's (`fill`), so `Tuning(S=4)` changes one tile size and keeps the rest, and
+None is the table itself. Values are hashable, so jit keys its cache on them: an A/B of two tunings traces each
+side on its own, with nothing to clear between them.
+
+`Tunings` is what the model's dispatch functions take (`ops.layers.linear`, `ops.moe.moe`,
+`ops.attention.ring_attention` / `tier_attention`; the glue kernels take their own piece). Fields of the
+quantized kernels hold one `Tuning` of that kernel (for every quant type) or a `ByType` of them (per type);
+None everywhere is every kernel's table, today's defaults.
+
+>>> from ops import qmatmul_pallas
+>>> t = Tunings(qmatmul=ByType(Q4_K=qmatmul_pallas.Tuning(S=4)))
+>>> t.pick("qmatmul", "Q4_K"), t.pick("qmatmul", "Q8_0")
+(Tuning(BN=None, S=4, num_warps=None, num_stages=None, unroll=None, natural_b=None), None)
+>>> hash(t) == hash(Tunings(qmatmul=ByType(Q4_K=qmatmul_pallas.Tuning(S=4))))
+True
+"""
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTION_IMPLS = ("ref", "pallas", "interpret")
+
+
+def fill(given, table_value):
+  """`table_value` (a complete NamedTuple) with the fields `given` sets (not None); `given` None: the table's."""
+  if given is None:
+    return table_value
+  return table_value._replace(**{k: v for k, v in given._asdict().items() if v is not None})
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class ByType:
+  """One kernel's tunings per quant type, hashable: `ByType(Q4_K=t, IQ3_S=u)`; a type not named takes the table."""
+  pairs: tuple
+
+  def __init__(self, **by_type):
+    object.__setattr__(self, "pairs", tuple(sorted(by_type.items())))
+
+  def get(self, qtype: str):
+    return dict(self.pairs).get(qtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunings:
+  qmatmul: object = None             # decode projections: ops.qmatmul_pallas.Tuning, per weight type
+  moe: object = None                 # decode routed experts: ops.moe_pallas.Tuning, per gate/up type
+  qgemm: object = None               # prefill projections: ops.qgemm_pallas.Tuning, per weight type
+  grouped: object = None             # prefill routed experts: ops.moe_grouped_pallas.Tuning, per gate/up type
+  attention: object = None           # decode attention: ops.attention_pallas.Tuning
+  prefill_attention: object = None   # prefill attention: ops.prefill_attention_pallas.Tuning
+  router: object = None              # routing: ops.router_pallas.Tuning
+  rope_write: object = None          # q/k norm + RoPE + ring write: ops.rope_write_pallas.Tuning
+  rmsnorm: object = None             # RMSNorm + residual: ops.rmsnorm_pallas.Tuning
+  # Attention of decode and verify passes (T <= ops.attention_pallas.MAX_T) and of prefill chunks: "pallas" |
+  # "ref" | "interpret" (the kernels in interpret mode, CPU tests); None: "pallas" on a GPU, "ref" elsewhere.
+  attention_impl: str | None = None
+  prefill_attention_impl: str | None = None
+
+  def __post_init__(self):
+    for name in ("attention_impl", "prefill_attention_impl"):
+      v = getattr(self, name)
+      if v is not None and v not in ATTENTION_IMPLS:
+        raise ValueError(f"Tunings: {name} {v!r}, expected one of {ATTENTION_IMPLS} or None")
+
+  def pick(self, field: str, qtype: str):
+    """The tuning of kernel `field` for weights of `qtype`: the ByType's entry, or the one value for every type."""
+    v = getattr(self, field)
+    return v.get(qtype) if isinstance(v, ByType) else v
+
+  def replace(self, **kw) -> "Tunings":
+    return dataclasses.replace(self, **kw)
+
+
+DEFAULT = Tunings()
+
+
+def pick(tunings: Tunings | None, field: str, qtype: str | None = None):
+  """`tunings.pick(field, qtype)` (or the field itself without a type), None when tunings is None."""
+  if tunings is None:
+    return None
+  return tunings.pick(field, qtype) if qtype is not None else getattr(tunings, field)
