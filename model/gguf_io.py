@@ -241,7 +241,8 @@ def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
   n_blocks = f.require(k("block_count"), int)
   n_nextn = int(f.get(k("nextn_predict_layers"), 0) or 0)
   if not 0 <= n_nextn < n_blocks:
-    raise GGUFError(f"{f.path}: key '{k('nextn_predict_layers')}' is {n_nextn}, expected 0 <= n < block_count {n_blocks}")
+    raise GGUFError(f"{f.path}: key '{k('nextn_predict_layers')}' is {n_nextn}, expected 0 <= n < block_count "
+                    f"{n_blocks}")
   n_layers = n_blocks - n_nextn
   d_model = f.require(k("embedding_length"), int)
   rkey = k("attention.recurrent_layers")
@@ -263,7 +264,8 @@ def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
   if k("attention.head_count") not in f.md:
     raise GGUFError(f"{f.path}: missing required key '{k('attention.head_count')}'")
   heads = _int_list(f, k("attention.head_count"), n_blocks, "block_count")
-  kvh = _int_list(f, k("attention.head_count_kv"), n_blocks, "block_count") if k("attention.head_count_kv") in f.md else heads
+  kvh = (_int_list(f, k("attention.head_count_kv"), n_blocks, "block_count") if k("attention.head_count_kv") in f.md
+         else heads)
   n_heads, n_kv = heads[attn[0]], kvh[attn[0]]
   for i in attn:
     if (heads[i], kvh[i]) != (n_heads, n_kv):
@@ -291,7 +293,8 @@ def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
   d_ff_sh = int(f.get(k("expert_shared_feed_forward_length"), 0) or 0) or n_ff   # llama.cpp: n_ff_shexp, else n_ff
   for key, v in (("expert_feed_forward_length", d_ff_exp), ("expert_shared_feed_forward_length", d_ff_sh)):
     if v <= 0:
-      raise GGUFError(f"{f.path}: missing required key '{k(key)}' (nor a '{k('feed_forward_length')}' to derive it from)")
+      raise GGUFError(f"{f.path}: missing required key '{k(key)}' (nor a '{k('feed_forward_length')}' to derive it "
+                      f"from)")
   ssm = {}
   for name, key in (("ssm_conv_kernel", "conv_kernel"), ("ssm_inner", "inner_size"), ("ssm_state", "state_size"),
                     ("ssm_dt_rank", "time_step_rank"), ("ssm_groups", "group_count")):
@@ -304,6 +307,11 @@ def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
   if ssm["ssm_dt_rank"] % ssm["ssm_groups"]:
     raise GGUFError(f"{f.path}: key '{k('ssm.time_step_rank')}' is {ssm['ssm_dt_rank']}, expected a multiple of "
                     f"ssm.group_count {ssm['ssm_groups']}")
+  for i in attn:                # llama.cpp would also take a fused attn_qkv or q/k/v biases here: refuse, not ignore
+    for n in ("attn_qkv.weight", "attn_qkv.bias", "attn_q.bias", "attn_k.bias", "attn_v.bias"):
+      if f.has(f"blk.{i}.{n}"):
+        raise GGUFError(f"{f.path}: tensor 'blk.{i}.{n}' in attention block {i} is not supported, expected separate "
+                        f"attn_q / attn_k / attn_v weights without biases")
   kw: dict[str, Any] = {}
   if arch == "qwen35moe":                             # required (get_key_or_arr(..., 4, true)): M-RoPE sections
     skey = k("rope.dimension_sections")
@@ -319,8 +327,9 @@ def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
       head_dim=head_dim, rope_dim=rope_dim, rope_theta=float(f.get(k("rope.freq_base"), 10000.0)),
       rms_eps=float(f.require(k("attention.layer_norm_rms_epsilon"), float)), n_experts=n_experts, top_k=top_k,
       d_ff_expert=d_ff_exp, n_shared_experts=1, d_ff_shared=d_ff_sh, shared_expert_gate=True,
-      routing="softmax", norm_topk=True, qk_norm=True, n_nextn=n_nextn, tied_embeddings="output.weight" not in f.tensors,
-      context_length=int(f.get(k("context_length"), 4096)), recurrent=recurrent, attn_output_gate=True, **ssm, **kw)
+      routing="softmax", norm_topk=True, qk_norm=True, n_nextn=n_nextn,
+      tied_embeddings="output.weight" not in f.tensors, context_length=int(f.get(k("context_length"), 4096)),
+      recurrent=recurrent, attn_output_gate=True, **ssm, **kw)
 
 
 def _ffn_map(c: ModelConfig, i: int) -> dict[tuple[str, ...], tuple[str, tuple[int, ...]]]:
@@ -378,8 +387,9 @@ def _block_map(c: ModelConfig, i: int, f=None) -> dict[tuple[str, ...], tuple[st
   if c.is_recurrent(i):
     m.update(_gdn_map(c, i, f))
   else:
+    nq = 2 if c.attn_output_gate else 1                 # gated: per head [query | gate], split by load_params
     m.update({
-        ("attn", "wqg" if c.attn_output_gate else "wq"): (b + "attn_q.weight", ((2 if c.attn_output_gate else 1) * Hq * Dh, D)),
+        ("attn", "wqg" if c.attn_output_gate else "wq"): (b + "attn_q.weight", (nq * Hq * Dh, D)),
         ("attn", "wk"): (b + "attn_k.weight", (Hkv * Dh, D)),
         ("attn", "wv"): (b + "attn_v.weight", (Hkv * Dh, D)),
         ("attn", "wo"): (b + "attn_output.weight", (D, Hq * Dh)),

@@ -61,7 +61,7 @@ def _write_metadata(w, c: ModelConfig, name: str) -> None:
   u32("expert_count", c.n_experts)
   u32("expert_used_count", c.top_k)
   u32("expert_feed_forward_length", c.d_ff_expert)
-  if a in ("qwen2moe",) or c.is_hybrid:
+  if a == "qwen2moe" or c.is_hybrid:
     u32("expert_shared_feed_forward_length", c.d_ff_shared)
   if a == "glm4moe":
     u32("leading_dense_block_count", c.n_dense_lead)

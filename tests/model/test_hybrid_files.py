@@ -12,14 +12,13 @@ mappings differ) and, for qwen35moe, M-RoPE sections under which IMROPE is not N
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import gguf
 import numpy as np
 import pytest
 
-from model.gguf_io import GGUFError, GGUFFile, load_gguf, load_params, read_config
+from model.gguf_io import GGUFError, GGUFFile, load_gguf, load_params, read_config, tensor_map, to_params
 from tests.gguf_edit import rewrite
 from tests.model.test_ref_forward import TOL_F16, TOL_F32, _compare, _llama_eval
 from tests.models import CFGS, model_path
@@ -45,6 +44,18 @@ def refs():
       ref = HybridRefModel(model_path(arch, kind))
       cache[(arch, kind)] = (ref,) + tuple(ref.forward(_tokens()))
     return cache[(arch, kind)]
+  return get
+
+
+@pytest.fixture(scope="module")
+def llama_f32():
+  """get(arch) -> llama.cpp's (logits, h_nextn) on the F32 file over _tokens(), f32 KV, no flash attention."""
+  cache = {}
+
+  def get(arch: str):
+    if arch not in cache:
+      cache[arch] = _llama_eval(model_path(arch, "F32"), _tokens(), f32_kv=True)
+    return cache[arch]
   return get
 
 
@@ -134,35 +145,43 @@ def test_quantized_file_loads(arch):
   assert np.isfinite(llama_logits(path, _tokens(8))).all()
 
 
-def _legacy_qwen3next(src: str, dst: str) -> str:
-  """A copy of a qwen3next file with each DeltaNet layer's attn_qkv + attn_gate replaced by the one legacy ssm_in
-  (rows per key head: q | k | v | z), built here from the shapes alone."""
+def _copy(src: str, dst: str, tensors) -> str:
+  """A copy of src's metadata with the tensors `tensors(list of (name, array))` returns (F32 / F16 files)."""
   r = gguf.GGUFReader(src)
-  cfg = read_config(GGUFFile(src))
-  Hk, Dk, gv = cfg.Hk, cfg.Dk, cfg.Hv // cfg.Hk * cfg.Dv
-  w = gguf.GGUFWriter(dst, "qwen3next")
-  for name, fld in r.fields.items():
-    if name.startswith("GGUF.") or name == "general.architecture":
+  w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
+  for key, fld in r.fields.items():
+    if key.startswith("GGUF.") or key == "general.architecture":
       continue
     sub = fld.types[-1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None
-    w.add_key_value(name, fld.contents(), fld.types[0], sub)
-  t = {x.name: x for x in r.tensors}
-  for x in r.tensors:
-    if x.name.endswith("attn_gate.weight"):
-      continue
-    if x.name.endswith("attn_qkv.weight"):
-      qkv = np.array(x.data)
-      z = np.array(t[x.name.replace("attn_qkv", "attn_gate")].data)
-      q, k, v = np.split(qkv, [Hk * Dk, 2 * Hk * Dk])
-      rows = [q.reshape(Hk, Dk, -1), k.reshape(Hk, Dk, -1), v.reshape(Hk, gv, -1), z.reshape(Hk, gv, -1)]
-      w.add_tensor(x.name.replace("attn_qkv", "ssm_in"), np.concatenate(rows, axis=1).reshape(-1, qkv.shape[1]))
-      continue
-    w.add_tensor(x.name, np.array(x.data))
+    w.add_key_value(key, fld.contents(), fld.types[0], sub)
+  for name, value in tensors([(x.name, np.array(x.data)) for x in r.tensors]):
+    w.add_tensor(name, value)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
   return dst
+
+
+def _legacy_qwen3next(src: str, dst: str) -> str:
+  """A copy of a qwen3next file with each DeltaNet layer's attn_qkv + attn_gate replaced by the one legacy ssm_in
+  (rows per key head: q | k | v | z), built here from the shapes alone."""
+  cfg = read_config(GGUFFile(src))
+  Hk, Dk, gv = cfg.Hk, cfg.Dk, cfg.Hv // cfg.Hk * cfg.Dv
+
+  def legacy(tensors):
+    t = dict(tensors)
+    for name, value in tensors:
+      if name.endswith("attn_gate.weight"):
+        continue
+      if name.endswith("attn_qkv.weight"):
+        q, k, v = np.split(value, [Hk * Dk, 2 * Hk * Dk])
+        z = t[name.replace("attn_qkv", "attn_gate")]
+        rows = [q.reshape(Hk, Dk, -1), k.reshape(Hk, Dk, -1), v.reshape(Hk, gv, -1), z.reshape(Hk, gv, -1)]
+        yield name.replace("attn_qkv", "ssm_in"), np.concatenate(rows, axis=1).reshape(-1, value.shape[1])
+      else:
+        yield name, value
+  return _copy(src, dst, legacy)
 
 
 def test_legacy_ssm_in_file(tmp_path, refs):
@@ -175,11 +194,17 @@ def test_legacy_ssm_in_file(tmp_path, refs):
   want, _ = _llama_eval(src, toks, f32_kv=True)
   got, _ = _llama_eval(legacy, toks, f32_kv=True)
   assert rel_l2(got, want) < 1e-6
-  fa, fb = GGUFFile(src), GGUFFile(legacy)
-  pa, pb = load_params(fa, read_config(fa)), load_params(fb, read_config(fb))
+  f = GGUFFile(legacy)
+  cfg = read_config(f)
+  tmap = tensor_map(cfg, f)
+  t = {x.name: x for x in gguf.GGUFReader(src).tensors}
   for i in (0, 1, 2):
-    for n in ("wqkv", "wz"):
-      np.testing.assert_array_equal(_np(pb[f"blk_{i}"]["gdn"][n]), _np(pa[f"blk_{i}"]["gdn"][n]))
+    path = (f"blk_{i}", "gdn", "w_in")                  # what load_params does with it: to_params' row split
+    name, shape = tmap[path]
+    got = dict(to_params(cfg, path, *f.tensor(name, shape), shape))
+    assert sorted(got) == [path[:2] + ("wqkv",), path[:2] + ("wz",)]
+    for n, tn in (("wqkv", "attn_qkv"), ("wz", "attn_gate")):
+      np.testing.assert_array_equal(_np(got[path[:2] + (n,)]), np.asarray(t[f"blk.{i}.{tn}.weight"].data))
   ref, logits, _ = refs("qwen3next", "F32")
   np.testing.assert_allclose(HybridRefModel(legacy).forward(_tokens())[0], logits, rtol=1e-12, atol=1e-12)
 
@@ -201,6 +226,8 @@ def _bad_files(tmp):
                         "tensor 'blk.3.attn_q.weight' has shape [256, 512], expected [512, 256]"),
       "mtp_block": (rewrite(q3, out("mtp.gguf"), drop_tensors=("blk.4.attn_k.weight",)),
                     "missing tensor 'blk.4.attn_k.weight' (expected shape [128, 256])"),
+      "attn_bias": (_copy(q35, out("bias.gguf"), lambda ts: ts + [("blk.2.attn_k.bias", np.zeros(128, np.float32))]),
+                    "tensor 'blk.2.attn_k.bias' in attention block 2 is not supported"),
       "missing_beta": (rewrite(q35, out("beta.gguf"), drop_tensors=("blk.3.ssm_beta.weight",)),
                        "missing tensor 'blk.3.ssm_beta.weight' (expected shape [4, 256])"),
       "missing_state_size": (rewrite(q3, out("ss.gguf"), drop_keys=("qwen3next.ssm.state_size",)),
@@ -224,9 +251,12 @@ def bad_files(tmp_path_factory):
   return _bad_files(str(tmp_path_factory.mktemp("bad_hybrid")))
 
 
-@pytest.mark.parametrize("case", ["missing_ssm_a", "missing_qkv", "conv_shape", "ba_shape", "gated_q_shape", "mtp_block",
-                                  "missing_beta", "missing_state_size", "bad_group_count", "heads_not_divisible",
-                                  "missing_sections", "recurrent_length"])
+BAD_CASES = ["missing_ssm_a", "missing_qkv", "conv_shape", "ba_shape", "gated_q_shape", "mtp_block", "attn_bias",
+             "missing_beta", "missing_state_size", "bad_group_count", "heads_not_divisible", "missing_sections",
+             "recurrent_length"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_file_is_one_clear_line(bad_files, case):
   path, expected = bad_files[case]
   with pytest.raises(GGUFError) as e:
@@ -248,10 +278,10 @@ def test_oracle_matches_llama_cpp_f16(refs, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_oracle_matches_llama_cpp_f32(refs, arch):
+def test_oracle_matches_llama_cpp_f32(refs, llama_f32, arch):
   """F32 file, f32 KV cache, no flash attention: llama.cpp is f32 end to end."""
   ref, logits, hidden = refs(arch, "F32")
-  want, want_h = _llama_eval(model_path(arch, "F32"), _tokens(), f32_kv=True)
+  want, want_h = llama_f32(arch)
   _compare(f"{arch} F32 file, f32 KV", logits, want, TOL_F32, strict_argmax=True)
   assert want_h is not None                          # both graphs fill h_nextn: the hidden after output_norm
   rel_h = rel_l2(hidden, want_h)
@@ -273,22 +303,23 @@ def test_mtp_matches_llama_cpp(refs, arch):
   assert want_h is not None and rel_l2(h_out, want_h) < TOL_F32
 
 
-def test_the_tiny_files_tell_the_rules_apart(refs):
-  """Against llama.cpp's F32 logits: the other arch's value -> key head mapping, or NEOX for qwen35moe's IMROPE,
-  misses by far more than the F32 bound (so the files check both rules)."""
+def test_the_tiny_files_tell_the_rules_apart(refs, llama_f32):
+  """Against llama.cpp's F32 logits (first 12 positions): the other arch's value -> key head mapping, or NEOX for
+  qwen35moe's IMROPE, misses by far more than the F32 bound (so the files check both rules)."""
+  n = 12
   for arch in ARCHS:
-    ref, logits, _ = refs(arch, "F32")
-    want, _ = _llama_eval(model_path(arch, "F32"), _tokens(), f32_kv=True)
+    ref = refs(arch, "F32")[0]
+    want = llama_f32(arch)[0][:n]
     wrong = HybridRefModel.__new__(HybridRefModel)
     wrong.__dict__.update(ref.__dict__)
     r = ref.n_v_heads // ref.n_k_heads
     wrong.key_head = (lambda h: h % ref.n_k_heads) if arch == "qwen3next" else (lambda h: h // r)
-    assert rel_l2(wrong.forward(_tokens())[0], want) > 1e-2
+    assert rel_l2(wrong.forward(_tokens()[:n])[0], want) > 1e-2
     if arch == "qwen35moe":
       neox = HybridRefModel.__new__(HybridRefModel)
       neox.__dict__.update(ref.__dict__)
       neox.rope_sections = None
-      assert rel_l2(neox.forward(_tokens())[0], want) > 100 * TOL_F32
+      assert rel_l2(neox.forward(_tokens()[:n])[0], want) > 100 * TOL_F32
 
 
 def test_imrope_text_rule():
