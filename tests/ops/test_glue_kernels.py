@@ -27,7 +27,7 @@ def test_rms_norm_kernel(residual):
   x = jnp.asarray(RNG.standard_normal((T, D)) * 3, jnp.float32)
   r = jnp.asarray(RNG.standard_normal((T, D)), jnp.float32) if residual else None
   w = jnp.asarray(1 + 0.1 * RNG.standard_normal(D), jnp.float32)
-  got = rmsnorm_pallas.add_rms_norm(x, w, 1e-6, r, impl="interpret")
+  got = rmsnorm_pallas.add_rms_norm(x, w, 1e-6, r, impl="interpret", tuning=rmsnorm_pallas.Tuning(num_warps=2))
   if residual:
     s, y = got
     np.testing.assert_array_equal(np.asarray(s), np.asarray(x + r))
@@ -60,6 +60,13 @@ def test_route_kernel(routing, E, K, norm, scale):
   alone = _rows_alone(f, x)
   for j in range(2):
     np.testing.assert_array_equal(full[j], np.concatenate([a[j] for a in alone]))
+  # another logits tiling (more rows per program, D in chunks; passed by the dispatcher): the same experts, and
+  # weights within float32 rounding (each token's dot still one sequential sum per row, in other chunks)
+  t = router_pallas.Tuning(programs=E // 8 or 1, dc=128, warps=4)
+  assert router_pallas.logits_tiling(E, D, t) == (min(16, E // t.programs), 128)
+  tid, tw = router_pallas.route(x, wr, bias, impl="interpret", tuning=t, **kw)
+  np.testing.assert_array_equal(np.asarray(tid), np.asarray(rid))
+  np.testing.assert_allclose(np.asarray(tw), np.asarray(rw), rtol=1e-5, atol=1e-7)
 
 
 def test_route_ties_pick_the_lower_index_as_top_k():
@@ -75,15 +82,16 @@ def test_route_ties_pick_the_lower_index_as_top_k():
 def test_attention_merge_kernel_and_its_batch_invariance(with_lse):
   """The split merge inside the decode kernel: against the reference attention, and a 4-query call's rows bitwise
   the rows of each query alone at its own causal length."""
-  from model.kv_ring import KVRing
+  from ops.kv_write import write_rows
   Hq, Hkv, Dh, T, depth = 8, 2, 32, 4, 300
-  ring = KVRing.create(1, 512, Hkv, Dh, "int8", block=64)
-  ring = ring.write(0, jnp.arange(depth + T), jnp.asarray(RNG.standard_normal((depth + T, Hkv, Dh)), jnp.float32),
-                    jnp.asarray(RNG.standard_normal((depth + T, Hkv, Dh)), jnp.float32))
+  z, zs = jnp.zeros((512, Hkv, Dh), jnp.int8), jnp.zeros((512, Hkv), jnp.float32)
+  ring = write_rows(z, z, zs, zs, jnp.arange(depth + T),
+                    jnp.asarray(RNG.standard_normal((depth + T, Hkv, Dh)), jnp.float32),
+                    jnp.asarray(RNG.standard_normal((depth + T, Hkv, Dh)), jnp.float32), "int8")
   q = jnp.asarray(RNG.standard_normal((T, Hq, Dh)), jnp.float32)
 
   def att(q, p, n, impl):
-    return attention.ring_attention(q, *ring.layer(0), p, n, block=64, scale=Dh ** -0.5, impl=impl, with_lse=with_lse)
+    return attention.ring_attention(q, *ring, p, n, block=64, scale=Dh ** -0.5, impl=impl, with_lse=with_lse)
 
   pos = depth + jnp.arange(T)
   got = att(q, pos, depth + T, "interpret")

@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.kv_ring import quantize_int8
+from model.options import Options
 from ops import attention, prefill_attention_pallas as pa
 from ops.attention import ring_attention_ref
+from ops.kv_write import quantize_int8
+from ops.tuning import Tunings
 from tests.ops.test_lowering import DEVICES, _lower
 
 
@@ -123,16 +125,14 @@ def test_model_prefill_through_the_kernel_equals_the_reference(monkeypatch):
   toks = jnp.asarray(np.random.default_rng(3).integers(0, 1024, 300), jnp.int32)
 
   def run(impl):
-    monkeypatch.setattr(attention, "default_impl", lambda T: impl if T > attention.attention_pallas.MAX_T else "ref")
-    jax.clear_caches()
-    lg, _, _ = api.prefill(m.params, toks, api.init_state(m.cfg, 1024, "int8"), cfg=m.cfg)
+    opts = Options(tunings=Tunings(attention_impl="ref", prefill_attention_impl=impl))
+    lg, _, _ = api.prefill(m.params, toks, api.init_state(m.cfg, 1024, "int8"), cfg=m.cfg, options=opts)
     return np.asarray(lg)
 
   calls = []
   real = pa.prefill_attention_pallas
   monkeypatch.setattr(pa, "prefill_attention_pallas", lambda *a, **kw: calls.append(1) or real(*a, **kw))
   got, ref = run("interpret"), run("ref")
-  jax.clear_caches()
   assert len(calls) == m.cfg.n_layers
   assert (got.argmax(-1) == ref.argmax(-1)).all()
   assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-3

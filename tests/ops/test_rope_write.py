@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.kv_ring import KVRing
 from ops import rope_write_pallas as rw
+from ops.kv_write import STORE, write_rows
 from tests.ops.test_lowering import DEVICES, _lower
 
 
@@ -17,10 +17,11 @@ def _case(T, Hq, Hkv, Dh, R, dtype, seed=0, qk_norm=True):
   qkv = jax.random.normal(ks[0], (T, (Hq + 2 * Hkv) * Dh), jnp.float32) * 3.0
   qn = 1.0 + 0.1 * jax.random.normal(ks[1], (Dh,)) if qk_norm else None
   kn = 1.0 + 0.1 * jax.random.normal(ks[2], (Dh,)) if qk_norm else None
-  ring = KVRing.create(1, R, Hkv, Dh, dtype)
-  # a ring with old contents, so that rows the kernel must not touch are not all zero
+  z = jnp.zeros((R, Hkv, Dh), STORE[dtype])
+  zs = jnp.zeros((R, Hkv), jnp.float32) if dtype == "int8" else None
+  # a ring layer with old contents, so that rows the kernel must not touch are not all zero
   old = jax.random.normal(ks[3], (R, Hkv, Dh)) * 2.0
-  ring = ring.write(0, jnp.arange(R, dtype=jnp.int32), old, -old)
+  ring = write_rows(z, z, zs, zs, jnp.arange(R, dtype=jnp.int32), old, -old, dtype)
   return qkv, qn, kn, ring
 
 
@@ -35,14 +36,14 @@ def test_kernel_matches_reference(T, Hq, Hkv, Dh, rope_dim, dtype, qk_norm):
   qkv, qn, kn, ring = _case(T, Hq, Hkv, Dh, R, dtype, qk_norm=qk_norm)
   pos = jnp.array([70, 71, 5, 6, 7, 8, 9, 10][:T], jnp.int32)           # wraps: slots 6, 7, then 5..
   kw = dict(n_heads=Hq, n_kv_heads=Hkv, head_dim=Dh, rope_dim=rope_dim, theta=10000.0, offset=1, eps=1e-6)
-  q_ref, ring_ref = rw.rope_write_ref(qkv, qn, kn, pos, ring.layer(0), **kw)
-  q, ring_k = rw.rope_write_pallas(qkv, qn, kn, pos, ring.layer(0), interpret=True, **kw)
+  q_ref, ring_ref = rw.rope_write_ref(qkv, qn, kn, pos, ring, **kw)
+  q, ring_k = rw.rope_write_pallas(qkv, qn, kn, pos, ring, interpret=True, **kw)
   # Not bitwise: XLA fuses the reference's elementwise chains differently (1-ulp differences in q); an int8 code
   # next to a rounding tie may then move by one.
   np.testing.assert_allclose(np.asarray(q), np.asarray(q_ref), rtol=2e-6, atol=1e-6)
   slots = np.asarray(pos) % R
   untouched = np.setdiff1d(np.arange(R), slots)
-  for a, b, old in zip(ring_k, ring_ref, ring.layer(0)):
+  for a, b, old in zip(ring_k, ring_ref, ring):
     if b is None:
       assert a is None
       continue
@@ -62,18 +63,35 @@ def test_round_half_even_matches_jnp_round():
   np.testing.assert_array_equal(np.asarray(jax.jit(rw.round_half_even)(x)), np.asarray(jnp.round(x)))
 
 
+def test_q_programs_split_the_q_heads_and_change_no_value():
+  """Tuning.q_programs (programs per token for the q heads) only splits the work: every setting writes bitwise
+  the same q and ring rows, and the dispatcher passes the tuning on."""
+  qkv, qn, kn, ring = _case(2, 8, 2, 32, 64, "int8")
+  kw = dict(n_heads=8, n_kv_heads=2, head_dim=32, rope_dim=32, theta=10000.0, offset=0, eps=1e-6)
+  pos = jnp.array([3, 4], jnp.int32)
+  outs = [rw.rope_write_pallas(qkv, qn, kn, pos, ring, interpret=True, tuning=rw.Tuning(q_programs=n), **kw)
+          for n in (1, 2, 4)]
+  outs.append(rw.rope_write(qkv, qn, kn, pos, ring, impl="interpret", tuning=rw.Tuning(q_programs=2), **kw))
+  assert [rw.head_block(8, 2, n) for n in (1, 2, 4, 8)] == [8, 4, 2, 2]
+  for o in outs[1:]:
+    for a, b in zip(jax.tree_util.tree_leaves(o), jax.tree_util.tree_leaves(outs[0])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  q_ref, _ = rw.rope_write_ref(qkv, qn, kn, pos, ring, **kw)
+  np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(q_ref), rtol=2e-6, atol=1e-6)
+
+
 def test_dispatch_falls_back_on_unsupported_shapes():
   qkv, qn, kn, ring = _case(2, 6, 2, 32, 16, "int8")                  # Hq = 6: not a power of two
   kw = dict(n_heads=6, n_kv_heads=2, head_dim=32, rope_dim=32, theta=10000.0, offset=0, eps=1e-6)
   assert rw.supported(6, 2, 32, 32) is not None
   pos = jnp.array([3, 4], jnp.int32)
-  q, _ = rw.rope_write(qkv, qn, kn, pos, ring.layer(0), impl="interpret", **kw)
-  q_ref, _ = rw.rope_write_ref(qkv, qn, kn, pos, ring.layer(0), **kw)
+  q, _ = rw.rope_write(qkv, qn, kn, pos, ring, impl="interpret", **kw)
+  q_ref, _ = rw.rope_write_ref(qkv, qn, kn, pos, ring, **kw)
   np.testing.assert_array_equal(np.asarray(q), np.asarray(q_ref))
   with pytest.raises(ValueError, match="not a power of two"):
-    rw.rope_write_pallas(qkv, qn, kn, pos, ring.layer(0), **kw)
+    rw.rope_write_pallas(qkv, qn, kn, pos, ring, **kw)
   with pytest.raises(ValueError, match="impl"):
-    rw.rope_write(qkv, qn, kn, pos, ring.layer(0), impl="cuda", **kw)
+    rw.rope_write(qkv, qn, kn, pos, ring, impl="cuda", **kw)
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
@@ -100,8 +118,8 @@ def test_model_with_the_kernel(which, monkeypatch):
   default: glm4moe, partial rotary, q/k/v bias, NextN; qwen3moe: per-head q/k norm, full rotary."""
   from decode.engine import generate
   from decode.speculative import speculative_generate
-  from model import transformer
   from model.loader import load_model
+  from model.options import Options
   from ops.qtensor import with_kernels
   from tests.models import model_path
   m = load_model("configs/data/default.gguf" if which == "default" else model_path("qwen3moe", "Q8_0"))
@@ -109,11 +127,7 @@ def test_model_with_the_kernel(which, monkeypatch):
   m.params = with_kernels(m.params, "interpret")
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, 500, 12)]
   kw = dict(max_new_tokens=10, stop_at_eos=False, kv="int8", kv_resident=256)
-  monkeypatch.setattr(transformer, "GLUE_KERNELS", False)               # read at trace time: clear the jit caches around it
-  jax.clear_caches()
-  ref = generate(m, prompt, **kw).ids
-  monkeypatch.setattr(transformer, "GLUE_KERNELS", True)
-  jax.clear_caches()
+  ref = generate(m, prompt, options=Options(glue=False), **kw).ids
   calls = []
   orig = rw.rope_write_pallas
   monkeypatch.setattr(rw, "rope_write_pallas", lambda *a, **k: calls.append(1) or orig(*a, **k))
