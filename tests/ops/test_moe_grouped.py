@@ -98,8 +98,7 @@ def _inputs(T, E, K, D, routing, seed):
   return x, ids, w
 
 
-_grouped = jax.jit(moe_ops._moe_grouped, static_argnames=("n_experts", "impl", "rows_per_tile", "dequant_budget",
-                                                           "tiles_per_step"))
+_grouped = jax.jit(moe_ops._moe_grouped, static_argnames=("n_experts", "rows_per_tile", "dequant_budget", "tiles_per_step"))
 _dense = jax.jit(moe_ops._moe_dense, static_argnames=("n_experts",))
 
 
@@ -139,13 +138,13 @@ def test_grouped_matches_float64_oracle_and_dense(T, E, K, weights, routing, mon
 
 @pytest.mark.parametrize("weights", ["Q4_K", "float_oddF"])
 @pytest.mark.parametrize("variant", [dict(rows_per_tile=1), dict(rows_per_tile=3, dequant_budget=0),
-                                     dict(rows_per_tile=64), dict(dequant_budget=0), dict(impl="ragged_dot"),
+                                     dict(rows_per_tile=64), dict(dequant_budget=0),
                                      dict(tiles_per_step=4), dict(rows_per_tile=3, tiles_per_step=3, dequant_budget=0),
                                      dict(rows_per_tile=1, tiles_per_step=16)],
                          ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
-def test_tile_sizes_and_ragged_dot(weights, variant):
-  """Tile boundaries (1 row per tile, odd tiles that split experts, one tile larger than any expert), experts
-  dequantized per tile instead of up front, and the ragged_dot variant: all match the oracle."""
+def test_tile_sizes(weights, variant):
+  """Tile boundaries (1 row per tile, odd tiles that split experts, one tile larger than any expert), several tiles
+  per scan step, experts dequantized per tile instead of up front: all match the oracle."""
   T, E, K = 23, 10, 3
   (g, u, d), (g64, u64, d64), D = _experts(weights, E)
   for routing in ("random", "one_expert_all_tokens", "all_pairs_one_expert"):
@@ -176,35 +175,30 @@ def test_static_shapes_deterministic_and_one_compile():
 
 
 def _dot_precisions(jaxpr) -> list:
-  """Precision of every dot_general / ragged_dot_general in a jaxpr, sub-jaxprs (scan bodies) included."""
+  """Precision of every dot_general in a jaxpr, sub-jaxprs (scan bodies) included."""
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+    if eqn.primitive.name == "dot_general":
       found.append(eqn.params["precision"])
     for sub in jax_core.jaxprs_in_params(eqn.params):
       found += _dot_precisions(sub)
   return found
 
 
-@pytest.mark.parametrize("impl", moe_ops.GROUPED_IMPLS)
-def test_dots_ask_for_highest_precision(impl):
+def test_dots_ask_for_highest_precision():
   """Every dot of the grouped path asks for HIGHEST itself, whatever jax.default_matmul_precision says."""
   T, E, K = 5, 6, 2
   (g, u, d), _, D = _experts("float_oddF", E)
   x, ids, w = _inputs(T, E, K, D, "random", seed=0)
   with jax.default_matmul_precision("bfloat16"):
-    jaxpr = jax.make_jaxpr(lambda *a: moe_ops._moe_grouped(*a, E, impl=impl))(x, ids, w, g, u, d)
+    jaxpr = jax.make_jaxpr(lambda *a: moe_ops._moe_grouped(*a, E))(x, ids, w, g, u, d)
   precs = _dot_precisions(jaxpr.jaxpr)
   assert len(precs) >= 3
   hi = jax.lax.Precision.HIGHEST
   assert all(p == (hi, hi) for p in precs), precs
 
 
-def test_tile_rows_and_bad_impl():
+def test_tile_rows():
   assert moe_ops.grouped_tile_rows(8 * 2048, 128) == 128        # Qwen3-30B-A3B prefill, 2048 tokens
   assert moe_ops.grouped_tile_rows(10, 6) == 8
   assert moe_ops.grouped_tile_rows(8 * 65536, 128) == 256
-  (g, u, d), _, D = _experts("float_oddF", 6)
-  x, ids, w = _inputs(5, 6, 2, D, "random", seed=0)
-  with pytest.raises(ValueError, match="impl"):
-    moe_ops._moe_grouped(x, ids, w, g, u, d, 6, impl="nope")
