@@ -1,6 +1,6 @@
-"""Gated DeltaNet (the gated delta rule) of the hybrid family (`qwen3next`, `qwen35moe`): the jnp references and the
-dispatchers to the Pallas kernels (`ops/gated_delta_chunk_pallas.py` for prefill chunks, `ops/gated_delta_step_pallas.py`
-for decode and verify passes).
+"""Gated DeltaNet (the gated delta rule) of the hybrid family (`qwen3next`, `qwen35moe`): the jnp references and
+the dispatchers to the Pallas kernels (`ops/gated_delta_chunk_pallas.py` for prefill chunks,
+`ops/gated_delta_step_pallas.py` for decode and verify passes).
 
 Semantics: llama.cpp 0.3.36 (llama-cpp-python 0.3.36's vendor/llama.cpp; paths below are relative to it).
 
@@ -9,13 +9,13 @@ Semantics: llama.cpp 0.3.36 (llama-cpp-python 0.3.36's vendor/llama.cpp; paths b
   one `ssm_in` hold per key head q | k | v | z, regrouped into that order by build_qkvz, qwen3next.cpp:340-389).
 - Conv: causal and depthwise, width Kc (4), no bias. The window state [Cc, Kw] (Kw = Kc - 1, oldest input first)
   is prepended to x, out[t, c] = sum_i ext[t + i, c] * w[c, i] for i = 0 .. Kc - 1 (w[c, Kc - 1] weighs the current
-  input), summed in that order; the new window is the last Kw inputs of ext (delta-net-base.cpp:449-525 build_conv_state,
-  ggml/src/ggml-cpu/ops.cpp:9932-9983 ssm_conv). `ssm_conv1d` [Cc, Kc] in numpy order. Then SiLU, x / (1 + exp(-x))
-  (qwen3next.cpp:471-474).
+  input), summed in that order; the new window is the last Kw inputs of ext (delta-net-base.cpp:449-525
+  build_conv_state, ggml/src/ggml-cpu/ops.cpp:9932-9983 ssm_conv). `ssm_conv1d` [Cc, Kc] in numpy order. Then SiLU,
+  x / (1 + exp(-x)) (qwen3next.cpp:471-474).
 - q and k are L2-normalised per head: x / sqrt(sum x^2 + eps) with eps the RMS-norm eps
   (`attention.layer_norm_rms_epsilon`): build_gdn_l2_norm is rms_norm(x, eps / n) / sqrt(n) (src/models/models.h:14-18,
   qwen3next.cpp:507-510). v is not normalised.
-- Head map. Value head h reads key head `key_head(h)`. qwen3next repeats q and k with an interleave
+- Head map (`key_head_index`). qwen3next repeats q and k with an interleave
   (reshape to [Dk, 1, Hk, T], ggml_repeat_4d to [Dk, Hv / Hk, Hk, T], reshape: qwen3next.cpp:518-537), so value head
   h reads key head h // (Hv / Hk): `head_map="interleave"`. qwen35moe tiles (ggml_repeat_4d [Dk, Hk] -> [Dk, Hv],
   qwen35moe.cpp:460-466, or the fused op's own broadcast iq1 = iv1 % neq1, ggml/src/ggml-cpu/ops.cpp:11200), so
@@ -61,7 +61,7 @@ from jax import lax
 from ops import gated_delta_chunk_pallas, gated_delta_step_pallas, on_gpu
 
 IMPLS = ("ref", "pallas", "interpret")
-HEAD_MAPS = ("interleave", "tile")
+HEAD_MAPS = gated_delta_chunk_pallas.HEAD_MAPS        # ("interleave", "tile")
 HIGHEST = lax.Precision.HIGHEST
 
 

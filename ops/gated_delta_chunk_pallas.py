@@ -1,32 +1,32 @@
-"""The gated delta rule over a prefill chunk: a Pallas kernel (Triton lowering) of the chunked (WY / UT-transform)
+"""The gated delta rule over a prefill chunk: two Pallas kernels (Triton lowering) of the chunked (WY / UT-transform)
 form, beside its jnp reference ops/gated_delta.py::gated_delta_chunked_ref (semantics and formulas there).
+`gated_delta_chunk_pallas` takes the arrays and returns (o, final state).
 
-Tiling.
-  grid    (Hv, Dv / BV): program (h, j) owns value head h and value columns [j BV, (j + 1) BV) of its state; it
-          reads key head `key_head(h)` (interleave: h // (Hv / Hk), tile: h % Hk) straight from q, k [T, Hk, Dk]
-          (no repeat in XLA).
-  loop    a fori_loop over the chunks of C tokens (`chunk`, static); the state tile S [Dk, BV] float32 stays in
-          registers across chunks. Per chunk it loads q, k [C, Dk], v [C, BV], g, beta [C] and computes, with
-          G = cumsum(g):
+Tiling. T is padded to a multiple of the chunk C with zeros (g = 0, beta = 0: a padded token leaves S unchanged).
+  prep    grid (Hv, T / C), every chunk in parallel: program (h, n) reads chunk n of value head h and of its key
+          head kh = `key_head(h)` (interleave: h // (Hv / Hk), tile: h % Hk, read straight from q, k [T, Hk, Dk]:
+          no repeat in XLA) and writes, with G = cumsum(g):
             A = strict_lower(beta_i exp(G_i - G_j) k_i . k_j);  Tm = (I + A)^-1
-            U = Tm (beta v);  W = Tm (beta exp(G) k);  delta = U - W S
-            o = exp(G) (q S) + lower(exp(G_i - G_j) q_i . k_j) delta
-            S = exp(G_last) S + (exp(G_last - G) k)^T delta
-          The parts that do not depend on S (A, Tm, U, W) are recomputed by each of a head's Dv / BV programs.
+            W = Tm (beta exp(G) k) [C, Dk],  U = Tm (beta v) [C, Dv],  Aqk = lower(exp(G_i - G_j) q_i . k_j) [C, C]
+          to [Hv, T, .] arrays (a chunk's rows contiguous): everything of a chunk that does not depend on the state.
+  scan    grid (Hv, Dv / BV): program (h, j) owns value head h's state columns [j BV, (j + 1) BV), S [Dk, BV]
+          float32 in registers through a fori_loop over the chunks in order:
+            delta = U - W S;  o = exp(G) (q S) + Aqk delta;  S = exp(G_last) S + (exp(G_last - G) k)^T delta
   solve   Tm, the inverse of the unit lower triangular I + A, in one of two ways (`Tuning.solve`):
-          "doubling": block doubling on the tensor cores: B = I; for s = 1, 2, .., C / 2:
-          B <- B - B N_s B, N_s the entries of A in the lower-left s x s quadrant of each 2s x 2s diagonal block
-          (B then holds the inverses of the 2s-blocks). 2 log2(C) C x C dots, the products of bounded inverses only
-          (a Neumann series would cancel binomially large terms when keys repeat).
-          "subst": forward substitution, row r of Tm = e_r - A[r, :] Tm for r = 1 .. C - 1 (masked row reductions:
-          C - 1 dependent steps off the tensor cores).
-  dots    float32 operands; compiled: 3xTF32 ("tf32x3", about float32 accuracy), one TF32 pass ("tf32") or IEEE
-          FMA ("ieee") by `Tuning.dots`; interpret mode: float32 at HIGHEST.
-  ragged  T is padded to a multiple of C with zeros (g = 0, beta = 0: a padded token leaves S unchanged); the
-          padded rows of o are dropped.
+          "subst": forward substitution, row r of Tm = e_r - A[r, :] Tm for r = 1 .. C - 1 (masked row reductions,
+          exact float32, C - 1 dependent steps off the tensor cores).
+          "doubling": block doubling on the tensor cores: B = I; for s = 1, 2, .., C / 2: B <- B - B N_s B, N_s the
+          entries of A in the lower-left s x s quadrant of each 2s x 2s diagonal block (B then holds the inverses
+          of the 2s-blocks): 2 log2(C) C x C dots, products of bounded inverses only (a Neumann series would cancel
+          binomially large terms when keys repeat).
+  dots    float32 operands; compiled: 3xTF32 ("tf32x3", about float32 accuracy), one TF32 pass ("tf32", ~1e-3) or
+          IEEE FMA ("ieee") by `Tuning.dots`; interpret mode: float32 at HIGHEST.
 
-The initial state is aliased to the final state (each program reads its tile before it writes it).
-Tuning: `TUNING` (by Dv) is a first guess, not yet measured on a GPU.
+The initial state is aliased to the final state (each scan program reads its tile before it writes it).
+Tuning: `TUNING` is chosen from static facts only, no GPU time yet: ptxas for sm_90 (Triton 3.6, Dk = Dv = 128,
+C = 64, T = 1024) puts every 3xTF32 variant at the 255-register cap (the TF32 operand splits); the table's picks spill
+least: prep "subst" at 4 warps 148 B ("doubling" 2.4 KB), scan BV = 32 at 4 warps 444 B (BV = 64: 0.9-1.1 KB). One
+pass of TF32 is spill-free (scan 194 registers). C = 16 with 3xTF32 gives a spill-free scan (253 registers).
 """
 from __future__ import annotations
 
@@ -49,18 +49,19 @@ DOTS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": lax.DotAlgori
 
 
 class Tuning(NamedTuple):
-  """The kernel's tuning; a field left None takes the table's (`config`): BV value columns per program (a power of
-  two dividing Dv, >= 16), Triton warps and stages, the inverse's method `solve` (SOLVES) and the MMA scheme `dots`
-  (DOTS)."""
+  """The kernels' tuning; a field left None takes the table's (`config`): BV value columns per program of the scan
+  kernel (a power of two dividing Dv, >= 16), its Triton warps and stages, the prep kernel's warps, the inverse's
+  method `solve` (SOLVES) and the MMA scheme `dots` (DOTS) of both."""
   BV: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
+  prep_warps: int | None = None
   solve: str | None = None
   dots: str | None = None
 
 
-TUNING = {128: Tuning(BV=64, num_warps=8, num_stages=1, solve="doubling", dots="tf32x3")}
-DEFAULT_TUNING = Tuning(BV=64, num_warps=4, num_stages=1, solve="doubling", dots="tf32x3")
+TUNING = {128: Tuning(BV=32, num_warps=4, num_stages=1, prep_warps=4, solve="subst", dots="tf32x3")}
+DEFAULT_TUNING = Tuning(BV=32, num_warps=4, num_stages=1, prep_warps=4, solve="subst", dots="tf32x3")
 
 
 def _is_pow2(n: int) -> bool:
@@ -121,36 +122,44 @@ def unit_lower_inverse(A, dot, solve: str):
   return lax.fori_loop(1, C, row, eye)
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, s_ref, *, C: int, n_chunks: int, BV: int, Hv: int,
-            Hk: int, head_map: str, scale: float, solve: str, prec):
+def _prep_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, a_ref, *, C: int, Hv: int, Hk: int,
+                 head_map: str, scale: float, solve: str, prec):
+  """Program (h, n): chunk n of value head h's W [C, Dk], U [C, Dv] and masked q k^T [C, C]."""
   h = pl.program_id(0)
-  v0 = pl.multiple_of(pl.program_id(1) * BV, BV)
+  t0 = pl.multiple_of(pl.program_id(1) * C, C)
   kh = key_head(h, Hv, Hk, head_map)
   dot = functools.partial(_dot, prec=prec)
   i = lax.broadcasted_iota(jnp.int32, (C, C), 0)
   j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+  k = k_ref[pl.ds(t0, C), kh, :]                                        # [C, Dk]
+  beta = b_ref[pl.ds(t0, C), h]                                         # [C]
+  G = jnp.cumsum(g_ref[pl.ds(t0, C), h])
+  decay = jnp.exp(jnp.where(i >= j, G[:, None] - G[None, :], -jnp.inf))    # [C, C], zero above the diagonal
+  Tm = unit_lower_inverse(jnp.where(i > j, beta[:, None] * decay * dot(k, k, 1, 1), 0.0), dot, solve)
+  w_ref[h, pl.ds(t0, C), :] = dot(Tm, (beta * jnp.exp(G))[:, None] * k, 1, 0)
+  u_ref[h, pl.ds(t0, C), :] = dot(Tm, beta[:, None] * v_ref[pl.ds(t0, C), h, :], 1, 0)
+  a_ref[h, pl.ds(t0, C), :] = decay * dot(q_ref[pl.ds(t0, C), kh, :] * scale, k, 1, 1)
+
+
+def _scan_kernel(q_ref, k_ref, g_ref, w_ref, u_ref, a_ref, s0_ref, o_ref, s_ref, *, C: int, n_chunks: int, BV: int,
+                 Hv: int, Hk: int, head_map: str, scale: float, prec):
+  """Program (h, j): value head h's state columns [j BV, (j + 1) BV) through every chunk in order."""
+  h = pl.program_id(0)
+  v0 = pl.multiple_of(pl.program_id(1) * BV, BV)
+  kh = key_head(h, Hv, Hk, head_map)
+  dot = functools.partial(_dot, prec=prec)
   last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
 
   def body(n, S):
     t0 = pl.multiple_of(n * C, C)
-    q = q_ref[pl.ds(t0, C), kh, :] * scale                                # [C, Dk]
-    k = k_ref[pl.ds(t0, C), kh, :]
-    v = v_ref[pl.ds(t0, C), h, pl.ds(v0, BV)]                             # [C, BV]
-    g = g_ref[pl.ds(t0, C), h]                                            # [C]
-    beta = b_ref[pl.ds(t0, C), h]
-    G = jnp.cumsum(g)
-    decay = jnp.exp(jnp.where(i >= j, G[:, None] - G[None, :], -jnp.inf))    # [C, C], zero above the diagonal
-    A = jnp.where(i > j, beta[:, None] * decay * dot(k, k, 1, 1), 0.0)
-    Tm = unit_lower_inverse(A, dot, solve)
-    eG = jnp.exp(G)
-    U = dot(Tm, beta[:, None] * v, 1, 0)                                  # [C, BV]
-    W = dot(Tm, (beta * eG)[:, None] * k, 1, 0)                           # [C, Dk]
-    delta = U - dot(W, S, 1, 0)
-    o = eG[:, None] * dot(q, S, 1, 0) + dot(decay * dot(q, k, 1, 1), delta, 1, 0)
+    G = jnp.cumsum(g_ref[pl.ds(t0, C), h])                              # [C]
+    delta = u_ref[h, pl.ds(t0, C), pl.ds(v0, BV)] - dot(w_ref[h, pl.ds(t0, C), :], S, 1, 0)      # [C, BV]
+    o = (jnp.exp(G)[:, None] * dot(q_ref[pl.ds(t0, C), kh, :] * scale, S, 1, 0)
+         + dot(a_ref[h, pl.ds(t0, C), :], delta, 1, 0))
     o_ref[pl.ds(t0, C), h, pl.ds(v0, BV)] = o
     G_last = jnp.sum(jnp.where(last, G, 0.0))
-    k_tail = jnp.exp(G_last - G)[:, None] * k
-    return jnp.exp(G_last) * S + dot(k_tail, delta, 0, 0)                # [Dk, BV]
+    k_tail = jnp.exp(G_last - G)[:, None] * k_ref[pl.ds(t0, C), kh, :]  # [C, Dk]
+    return jnp.exp(G_last) * S + dot(k_tail, delta, 0, 0)               # [Dk, BV]
 
   S = lax.fori_loop(0, n_chunks, body, s0_ref[h, :, pl.ds(v0, BV)])
   s_ref[h, :, pl.ds(v0, BV)] = S
@@ -177,15 +186,20 @@ def gated_delta_chunk_pallas(q_THkDk, k_THkDk, v_THvDv, g_THv, beta_THv, state_H
     x = x.astype(f32)
     return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
 
-  args = [padded(x) for x in (q_THkDk, k_THkDk, v_THvDv, g_THv, beta_THv)] + [state_HvDkDv.astype(f32)]
-  kernel = functools.partial(
-      _kernel, C=chunk, n_chunks=n_chunks, BV=c.BV, Hv=Hv, Hk=Hk, head_map=head_map,
-      scale=1.0 / math.sqrt(Dk) if scale is None else scale, solve=c.solve,
-      prec=lax.Precision.HIGHEST if interpret else DOTS[c.dots])
+  q, k, v, g, beta = (padded(x) for x in (q_THkDk, k_THkDk, v_THvDv, g_THv, beta_THv))
+  Tp = n_chunks * chunk
+  kw = dict(C=chunk, Hv=Hv, Hk=Hk, head_map=head_map, scale=1.0 / math.sqrt(Dk) if scale is None else scale,
+            prec=lax.Precision.HIGHEST if interpret else DOTS[c.dots])
+  w, u, a = pl.pallas_call(
+      functools.partial(_prep_kernel, solve=c.solve, **kw), grid=(Hv, n_chunks),
+      out_shape=[jax.ShapeDtypeStruct((Hv, Tp, Dk), f32), jax.ShapeDtypeStruct((Hv, Tp, Dv), f32),
+                 jax.ShapeDtypeStruct((Hv, Tp, chunk), f32)],
+      compiler_params=plgpu.CompilerParams(num_warps=c.prep_warps, num_stages=1),
+      interpret=interpret, name="gated_delta_chunk_prep")(q, k, v, g, beta)
   o, state = pl.pallas_call(
-      kernel, grid=(Hv, Dv // c.BV),
-      out_shape=[jax.ShapeDtypeStruct((n_chunks * chunk, Hv, Dv), f32), jax.ShapeDtypeStruct((Hv, Dk, Dv), f32)],
-      input_output_aliases={5: 1},
+      functools.partial(_scan_kernel, n_chunks=n_chunks, BV=c.BV, **kw), grid=(Hv, Dv // c.BV),
+      out_shape=[jax.ShapeDtypeStruct((Tp, Hv, Dv), f32), jax.ShapeDtypeStruct((Hv, Dk, Dv), f32)],
+      input_output_aliases={6: 1},
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
-      interpret=interpret, name="gated_delta_chunk")(*args)
+      interpret=interpret, name="gated_delta_chunk_scan")(q, k, g, w, u, a, state_HvDkDv.astype(f32))
   return (o[:T] if pad else o), state
