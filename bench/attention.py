@@ -57,10 +57,8 @@ def _loop(q, k, v, ks, vs, pos, length, layer, *, impl, iters, block, sliced, va
 
   def body(_, q):
     if variant is not None:
-      dots, bk, warps, stages, splits = variant
       o = attention_pallas.ring_attention_pallas(q, k, v, ks, vs, pos, length, layer, block=block, scale=scale,
-                                                 bk=bk, num_warps=warps, num_stages=stages, dots=dots,
-                                                 n_splits=splits, interpret=jax.default_backend() == "cpu")
+                                                 tuning=variant, interpret=jax.default_backend() == "cpu")
     elif sliced:
       sc = (None, None) if ks is None else (ks[layer], vs[layer])
       o = attention.ring_attention(q, k[layer], v[layer], *sc, pos, length, block=block, scale=scale, impl=impl)
@@ -71,13 +69,20 @@ def _loop(q, k, v, ks, vs, pos, length, layer, *, impl, iters, block, sliced, va
   return jax.lax.fori_loop(0, iters, body, q)
 
 
-def parse_variant(text: str):
-  """'dots:bk:warps:stages[:splits]' -> (dots, bk, warps, stages, splits or None)."""
+def parse_variant(text: str) -> attention_pallas.Tuning:
+  """'dots:bk:warps:stages[:splits]' -> the kernel's Tuning (splits None: the kernel's own).
+
+  >>> parse_variant("bf16x2:128:8:3:16")
+  Tuning(bk=128, num_warps=8, num_stages=3, dots='bf16x2', n_splits=16)
+  """
   parts = text.split(":")
-  if len(parts) not in (4, 5) or parts[0] not in attention_pallas.DOTS:
+  if (len(parts) not in (4, 5) or parts[0] not in attention_pallas.DOTS
+      or not all(x.isdigit() and int(x) > 0 for x in parts[1:])):
     raise ValueError(f"--variants: {text!r}, expected dots:bk:warps:stages[:splits] with dots in "
                      f"{attention_pallas.DOTS}")
-  return (parts[0], *map(int, parts[1:4]), int(parts[4]) if len(parts) == 5 else None)
+  bk, warps, stages = map(int, parts[1:4])
+  return attention_pallas.Tuning(bk=bk, num_warps=warps, num_stages=stages, dots=parts[0],
+                                 n_splits=int(parts[4]) if len(parts) == 5 else None)
 
 
 def kv_bytes(depth: int, Hkv: int, Dh: int, kv: str) -> int:
@@ -116,7 +121,8 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   q = jax.random.normal(jax.random.key(1), (T, Hq, Dh), jnp.float32)
-  bk, warps, stages = attention_pallas.tuning(Dh, FLAGS.block)
+  kt = attention_pallas.config(Dh, FLAGS.block, Hkv, _DT[FLAGS.kv])
+  bk, warps, stages = kt.bk, kt.num_warps, kt.num_stages
   res = {}
   for R in caps:
     ring = make_ring(jax.random.key(R), FLAGS.layers, R, Hkv, Dh, FLAGS.kv)

@@ -57,22 +57,22 @@ flags.DEFINE_list("expert_cache", ["all"], "expert caches: all | auto | N slots 
 flags.DEFINE_string("device_budget", None, "device memory budget of the plan (e.g. 24GiB; default: the device's)")
 flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert-cache eviction policy")
 flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
-flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
-                    "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
+flags.DEFINE_string("attn_kernel", None, "decode attention kernel tuning dots[:bk:warps:stages] "
+                    "(ops.attention_pallas.parse_spec; e.g. bf16x2:128:8:3); unset: the kernel's table")
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
                          "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
 flags.DEFINE_bool("host_skip_idle", True, "host tier (max_context > ring): run the ring-only trunk under one "
-                  "lax.cond per pass while no position has left the ring (model.host_tier.SKIP_IDLE_TIER)")
+                  "lax.cond per pass while no position has left the ring (model.options.Options.skip_idle_tier)")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's: 1,024 on "
                      "a GPU, 8 with expert slots, 2,048 on CPU)")
 flags.DEFINE_enum("prefill_precision", "auto", ["auto", "f32", "bf16"],
-                  "the prefill GEMMs' operands (ops.qgemm_pallas.GEMM_FORMS): f32 (three bf16 MMAs, float32-accurate), "
+                  "the prefill GEMMs' operands (Options.prefill_precision): f32 (three bf16 MMAs, float32-accurate), "
                   "bf16 (one MMA, ~2e-3 per dot, finer than llama.cpp's 8-bit x), auto: bf16 on a GPU, f32 elsewhere")
 flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
                   "synthetic: a fixed arithmetic token pattern; text: the standard library's documentation topics "
                   "(pydoc_data), tokenized, from a seed-dependent offset (real text, for models that learned it)")
 flags.DEFINE_bool("reuse_prefill", False, "arms that share a prompt, ring, tier and k share one prefill "
-                  "(engine.PrefillCache; TTFT reports the original prefill's time, records say prefill_reused): "
+                  "(bench.prefill_cache.PrefillCache; TTFT reports the original prefill's time, records say prefill_reused): "
                   "seeds run outermost and each arm's compiling run takes seed 0's prompt. For deep cells, whose "
                   "prefill dwarfs the decode")
 flags.DEFINE_string("cells", "/tmp/moejax-bench/cells.jsonl", "JSONL output (one record per timed run)")
@@ -173,6 +173,15 @@ def _text_tokens(model, n: int, seed: int) -> list[int]:
   return ids[start:start + n]
 
 
+def model_options():
+  """The model Options of every cell: the flags' idle-tier skip, prefill precision and attention kernel tuning."""
+  from model.options import Options
+  from ops.attention_pallas import parse_spec
+  from ops.tuning import Tunings
+  tunings = Tunings(attention=parse_spec(FLAGS.attn_kernel)) if FLAGS.attn_kernel else None
+  return Options(skip_idle_tier=FLAGS.host_skip_idle, prefill_precision=FLAGS.prefill_precision, tunings=tunings)
+
+
 def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffer: int | None = None) -> dict:
   """One request of `arm` (plain, or the drafted one after the plain request it replays): its stats. `buffer`:
   size the request's buffers and ring for that many new tokens (engine.GenConfig.buffer_tokens)."""
@@ -186,7 +195,7 @@ def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffe
     prompt = [(base[i % len(base)] * (i + 1 + seed)) % model.cfg.vocab_size for i in range(arm.depth)]
   gen = GenConfig(max_new_tokens=max_new, kv=arm.kv, kv_resident=None if arm.ring == "auto" else int(arm.ring),
                   max_context=FLAGS.max_context, stop_at_eos=False, seed=seed, prefill_chunk=FLAGS.prefill_chunk,
-                  buffer_tokens=buffer)
+                  buffer_tokens=buffer, options=model_options())
   k = (arm.k or FLAGS.mtp_draft) if arm.draft != "none" else 0
   plan, slots = _plan(model, arm, gen, k)
   gen = dataclasses.replace(gen, expert_slots=slots, expert_policy=FLAGS.expert_policy)
@@ -472,18 +481,14 @@ def main(argv):
     path = path or default_model_path()
     model = load_model(path)
   model.params = with_kernels(model.params, FLAGS.kernels)
-  from model import host_tier
   from ops import attention_pallas, qgemm_pallas
-  host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle          # read at trace time
-  qgemm_pallas.set_precision(FLAGS.prefill_precision)       # read at trace time
-  if FLAGS.attn_kernel:
-    attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
+  table_dots = attention_pallas.TUNING.get(model.cfg.head_dim, attention_pallas.DEFAULT_TUNING).dots
   arms, bars = _arms()
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.cells)), exist_ok=True)
   from bench.provenance import commit as _commit, device as _device
   commit, device = _commit(), _device()
   records = []
-  from decode.engine import PrefillCache
+  from bench.prefill_cache import PrefillCache
   # one entry per distinct (ring, k) request of a seed's prompt: a plain and a drafted request per ring for seed4
   cache = PrefillCache(capacity=2 * len({(a.ring, a.kv) for a in arms})) if FLAGS.reuse_prefill else None
   runs = ([(a, s) for s in range(FLAGS.seeds) for a in arms] if cache is not None else
@@ -511,8 +516,8 @@ def main(argv):
         rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
                "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
                "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
-               "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
-               "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels),
+               "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or table_dots,
+               "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels, FLAGS.prefill_precision),
                "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0,
                "first_run_s": first_run[arm.name], "log": log_path, "stats": st}

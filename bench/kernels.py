@@ -18,8 +18,8 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
 Each layer's weights are their own arrays and jit arguments, as in the model (`--layer_weights separate`, the
 default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
 to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first).
-The routing comes in the weights' form: per-layer arrays for separate weights (up to a917c5b it was one [L, T, K]
-array whose per-layer slices cost two ~1 µs `memcpy32_post` per layer; the model has none, scripts/gpu/memcpy_probe.py).
+The routing comes in the weights' form: per-layer arrays for separate weights (slices of one [L, T, K] array would
+cost two ~1 µs `memcpy32_post` per layer, which the model has not; scripts/gpu/memcpy_probe.py).
 Waited calls of the separate form pass hundreds of weight buffers through each dispatch; compare forms queued. Layers
 are unrolled as in the model (`--layer_loop scan`, stacked only, for a lax.scan). XLA reuses one compiled Triton kernel for
 identical custom calls (`--compile_probe`: compile time of 1 and 8 identical calls; 2.7 s and 1.9 s on the H200).
@@ -36,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 from absl import app, flags
 
@@ -48,10 +49,9 @@ flags.DEFINE_list("impls", ["pallas", "xla", "bf16"], "implementations")
 flags.DEFINE_integer("layers", 48, "layers in part b")
 flags.DEFINE_integer("iters", 10, "timed calls per cell (median)")
 flags.DEFINE_boolean("check", False, "first compare the compiled kernels with the reference on small shapes")
-flags.DEFINE_string("sweep", "", "JSON list of tile overrides {'gateup': {...}, 'down': {...}, 'proj': {...}, "
-                    "'fold_k': bool (qmatmul_pallas.FOLD_K, the Q4_K / Q5_K tile's form), 'iq3s_grid16': bool "
-                    "(qmatmul_pallas.IQ3S_GRID16, the IQ3_S grid table's form)}: "
-                    "part b/a at B=1 for each, before the main run")
+flags.DEFINE_string("sweep", "", "JSON list of tunings {'gateup': {...}, 'down': {...}, 'proj': {...}}, each a dict "
+                    "of ops.qmatmul_pallas.Tuning fields (BN, S, num_warps, num_stages, unroll, natural_b; gateup "
+                    "also KS, the split of D over KS programs): part b/a at B=1 for each, before the main run")
 flags.DEFINE_integer("sweep_layers", 16, "layers per sweep cell")
 flags.DEFINE_list("shape", ["2048", "768", "128", "8", "4096"], "D, F, experts, top-k, projection rows (smoke tests)")
 flags.DEFINE_boolean("interpret", False, "run the Pallas kernels in interpret mode (CPU smoke test only)")
@@ -69,9 +69,36 @@ flags.DEFINE_string("profile", None, "folder: after each type's cells, trace --i
                     "at the first batch with jax.profiler (DIR/TYPE; summarise with scripts/gpu/trace_summary.py "
                     "--steps ITERS: per-kernel time per step and the device's idle gaps)")
 
-D, F, E, TOPK, NPROJ = 2048, 768, 128, 8, 4096
-SWITCHES = {"fold_k": "FOLD_K", "iq3s_grid16": "IQ3S_GRID16"}    # sweep key -> ops/qmatmul_pallas switch
-SWEEP_LAYERS = 16
+
+
+class Shape(NamedTuple):
+  """The cells' shapes: model width, expert FFN width, experts, experts per token, projection rows."""
+  D: int = 2048
+  F: int = 768
+  E: int = 128
+  TOPK: int = 8
+  NPROJ: int = 4096
+
+
+SHAPE = Shape()                  # Qwen3-30B-A3B
+
+
+def sweep_tunings(ov: dict):
+  """One --sweep entry -> (ops.moe_pallas.Tuning of the expert kernels, ops.qmatmul_pallas.Tuning of the projection
+  or None); ValueError on a key that is no tuning field.
+
+  >>> moe_t, proj_t = sweep_tunings({"gateup": {"BN": 8, "KS": 2}, "proj": {"S": 64}})
+  >>> moe_t.gateup.BN, moe_t.ks, moe_t.down, proj_t.S
+  (8, 2, None, 64)
+  """
+  from ops import moe_pallas, qmatmul_pallas
+  extra = set(ov) - {"gateup", "down", "proj"}
+  if extra:
+    raise ValueError(f"sweep keys {sorted(extra)}: expected gateup, down, proj")
+  tile = lambda d: None if d is None else qmatmul_pallas.Tuning(**d)  # noqa: E731
+  gateup = dict(ov.get("gateup") or {})
+  ks = gateup.pop("KS", None)
+  return (moe_pallas.Tuning(gateup=tile(gateup or None), down=tile(ov.get("down")), ks=ks), tile(ov.get("proj")))
 
 
 def median_seconds(fn, *args, iters):
@@ -114,12 +141,12 @@ def _read_bw(iters):
   return a.nbytes / median_seconds(f, a, iters=iters) / 1e9
 
 
-def _shapes():
-  """gate, up, down of one layer (the module's shape globals, read at call time: tests shrink them)."""
-  return (E, F, D), (E, F, D), (E, D, F)
+def _shapes(sh: Shape):
+  """gate, up, down of one layer."""
+  return (sh.E, sh.F, sh.D), (sh.E, sh.F, sh.D), (sh.E, sh.D, sh.F)
 
 
-def _experts(key, qtype, layers, separate=False):
+def _experts(key, qtype, layers, separate=False, sh: Shape = SHAPE):
   """Random valid experts: (gate, up, down) QTensors stacked over layers (planes [L, E, rows, nb, ...]), or with
   `separate` a list of L such triples, one layer's arrays each (the same blocks either way)."""
   import jax
@@ -127,19 +154,19 @@ def _experts(key, qtype, layers, separate=False):
   from ops import repack
   from ops.qtensor import QTensor
   gen = jax.jit(lambda k, shape: repack.random_planes(k, qtype, shape), static_argnums=1)
-  per = [[gen(jax.random.fold_in(key, 1000 * i + l), shape) for l in range(layers)] for i, shape in enumerate(_shapes())]
+  per = [[gen(jax.random.fold_in(key, 1000 * i + l), shape) for l in range(layers)] for i, shape in enumerate(_shapes(sh))]
   if separate:
-    return [tuple(QTensor(per[i][l], qtype, shape[-1], "pallas") for i, shape in enumerate(_shapes()))
+    return [tuple(QTensor(per[i][l], qtype, shape[-1], "pallas") for i, shape in enumerate(_shapes(sh)))
             for l in range(layers)]
   return tuple(QTensor(tuple(jnp.stack([p[j] for p in per[i]]) for j in range(len(per[i][0]))), qtype, shape[-1],
-                       "pallas") for i, shape in enumerate(_shapes()))
+                       "pallas") for i, shape in enumerate(_shapes(sh)))
 
 
-def _bf16_experts(key, layers, separate=False):
+def _bf16_experts(key, layers, separate=False, sh: Shape = SHAPE):
   import jax
   import jax.numpy as jnp
   per = [[jax.random.normal(jax.random.fold_in(key, 1000 * i + l), s, jnp.bfloat16) * 0.02 for l in range(layers)]
-         for i, s in enumerate(_shapes())]
+         for i, s in enumerate(_shapes(sh))]
   return [tuple(p[l] for p in per) for l in range(layers)] if separate else tuple(jnp.stack(p) for p in per)
 
 
@@ -150,14 +177,14 @@ def _layer(layers, l):
   return (layers[l], None) if isinstance(layers, list) else (layers, jnp.int32(l))
 
 
-def _routing(key, layers, T, separate=False):
+def _routing(key, layers, T, separate=False, sh: Shape = SHAPE):
   """Expert ids [L, T, K] int32 and router weights [L, T, K]; with `separate` two lists of L per-layer arrays,
   each its own buffer, as the model's router hands each layer its own (slicing layer l out of a [L, ...] jit
-  argument costs two device copies per layer: the `memcpy32_post` of the traces up to a917c5b)."""
+  argument costs two device copies per layer, `memcpy32_post`)."""
   import jax
   import jax.numpy as jnp
-  r = jax.random.uniform(key, (layers, T, E))
-  w, ids = jax.lax.top_k(r, TOPK)
+  r = jax.random.uniform(key, (layers, T, sh.E))
+  w, ids = jax.lax.top_k(r, sh.TOPK)
   ids, w = ids.astype(jnp.int32), (w / jnp.sum(w, -1, keepdims=True)).astype(jnp.float32)
   return (list(ids), list(w)) if separate else (ids, w)
 
@@ -175,9 +202,10 @@ def _next_x(y):
   return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
 
 
-def _step_fn(impl, overrides, layer_loop="unroll"):
+def _step_fn(impl, tuning=None, layer_loop="unroll", interpret=False):
   """(x, ids [n, T, K], w [n, T, K], layers) -> x after layers 0 .. n-1: `layers` a list of per-layer (gate, up,
-  down) or the stacked triple read in place; unrolled (as the model) or a lax.scan (--layer_loop)."""
+  down) or the stacked triple read in place; unrolled (as the model) or a lax.scan (--layer_loop). tuning: the
+  Pallas MoE kernels' (ops.moe_pallas.Tuning); interpret: the kernels in interpret mode (CPU)."""
   import jax
   import jax.numpy as jnp
   from ops import moe_pallas
@@ -191,7 +219,7 @@ def _step_fn(impl, overrides, layer_loop="unroll"):
 
   def layer(x, l, ids, w, g, u, d):            # l: the index into stacked weights, None for a layer's own arrays
     if impl == "pallas":
-      y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=l, overrides=overrides)
+      y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=l, tuning=tuning, interpret=interpret)
     elif impl == "xla":                       # the reference's math (ops/moe._moe_gather) on layer l's slabs
       gg, uu, dd = (as_dense(sel(t, l, ids)) for t in (g, u, d))
       h = jax.nn.silu(jnp.einsum("td,tkfd->tkf", x, gg)) * jnp.einsum("td,tkfd->tkf", x, uu)
@@ -216,7 +244,7 @@ def _step_fn(impl, overrides, layer_loop="unroll"):
   return jax.jit(step)
 
 
-def _floor_fn(qtype, interpret=False):
+def _floor_fn(qtype, interpret=False, sh: Shape = SHAPE):
   """(x, ids [n, T, K], w [n, T, K]) -> x: part (b)'s step with its launches and glue but no weight bytes. Per layer
   two Pallas calls with the grid, warps and stages of the type's gate/up (F/BN x P programs) and down (D/BN x P)
   kernels, in which program (i, p) only copies a BN-wide slice of its input row (h[p] from x[t], then y[p] =
@@ -228,9 +256,10 @@ def _floor_fn(qtype, interpret=False):
   from jax.experimental import pallas as pl
   from ops import moe_pallas, quant
   from ops import qmatmul_pallas as qp
+  D, F = sh.D, sh.F
   blk = quant.GGML_TYPES[qtype][0]
-  cg = dict(moe_pallas._cfg("gateup", qtype, F, D // blk, None))
-  cd = dict(moe_pallas._cfg("down", qtype, D, F // blk, None))
+  cg = moe_pallas._cfg("gateup", qtype, F, D // blk, None)
+  cd = moe_pallas._cfg("down", qtype, D, F // blk, None)
 
   def gateup_like(x_ref, o_ref, *, K, BN):
     p = pl.program_id(1)
@@ -246,10 +275,10 @@ def _floor_fn(qtype, interpret=False):
     T, K = ids[0].shape
     P = T * K
     for l in range(len(ids)):
-      h = pl.pallas_call(functools.partial(gateup_like, K=K, BN=cg["BN"]), grid=(pl.cdiv(F, cg["BN"]), P),
+      h = pl.pallas_call(functools.partial(gateup_like, K=K, BN=cg.BN), grid=(pl.cdiv(F, cg.BN), P),
                          out_shape=jax.ShapeDtypeStruct((P, F), jnp.float32), compiler_params=qp.compiler_params(cg),
                          interpret=interpret, name="floor_gateup")(x)
-      y = pl.pallas_call(functools.partial(down_like, BN=cd["BN"]), grid=(pl.cdiv(D, cd["BN"]), P),
+      y = pl.pallas_call(functools.partial(down_like, BN=cd.BN), grid=(pl.cdiv(D, cd.BN), P),
                          out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32), compiler_params=qp.compiler_params(cd),
                          interpret=interpret, name="floor_down")(w[l].reshape(P), h).reshape(T, K, D)
       out = y[:, 0]
@@ -310,24 +339,24 @@ def _bf16_moe(x, ids, w, g, u, d):
   return jnp.einsum("tkd,tk->td", y, w)
 
 
-def _proj_fn(impl, overrides):
+def _proj_fn(impl, tuning=None, interpret=False, sh: Shape = SHAPE):
   """(x, W: 16 copies [N, K] in a list, or stacked [16, N, K]) -> sum of the 16 projections, unrolled (as the
   model's layers): each call reads copy l in place. A lax.scan here would add a device wait per iteration (XLA's
-  GPU while loop), comparable to a projection's own 5-20 µs."""
+  GPU while loop), comparable to a projection's own 5-20 µs. tuning: the Pallas kernel's (ops.qmatmul_pallas.Tuning)."""
   import jax
   import jax.numpy as jnp
   from ops import qmatmul, qmatmul_pallas
 
   def one(x, l, w):                          # l: the index into a stack, None for a copy's own arrays
     if impl == "pallas":
-      return qmatmul_pallas.qmatmul_pallas(x, w, layer=l, overrides=overrides)
+      return qmatmul_pallas.qmatmul_pallas(x, w, layer=l, tuning=tuning, interpret=interpret)
     if impl == "xla":
       return qmatmul.qmatmul_ref(x, w if l is None else w.replace(planes=tuple(p[l] for p in w.planes)))
     return jnp.einsum("bk,nk->bn", x.astype(jnp.bfloat16), w if l is None else w[l], preferred_element_type=jnp.float32)
 
   def run(x, ws):
     n = len(ws) if isinstance(ws, list) else (ws.planes[0] if hasattr(ws, "planes") else ws).shape[0]
-    acc = jnp.zeros((x.shape[0], NPROJ), jnp.float32)
+    acc = jnp.zeros((x.shape[0], sh.NPROJ), jnp.float32)
     for l in range(n):
       w, li = _layer(ws, l)
       acc = acc + one(x, li, w)
@@ -336,7 +365,7 @@ def _proj_fn(impl, overrides):
   return jax.jit(run)
 
 
-def _compile_probe(q):
+def _compile_probe(q, sh: Shape = SHAPE):
   """Compile time of n identical Pallas MoE calls on n separate per-layer weights (unrolled), n = 1 and 8: does
   XLA reuse one compiled Triton kernel for identical custom calls?"""
   import jax
@@ -346,10 +375,10 @@ def _compile_probe(q):
   rows = []
   for n in (1, 8):
     ws = [tuple(QTensor(repack.random_planes(jax.random.PRNGKey(100 * l + i), q, s), q, s[-1], "pallas")
-                for i, s in enumerate(((E, F, D), (E, F, D), (E, D, F)))) for l in range(n)]
-    x = jnp.ones((1, D), jnp.float32)
-    ids = jnp.arange(TOPK, dtype=jnp.int32)[None]
-    w = jnp.full((1, TOPK), 1.0 / TOPK, jnp.float32)
+                for i, s in enumerate(_shapes(sh))) for l in range(n)]
+    x = jnp.ones((1, sh.D), jnp.float32)
+    ids = jnp.arange(sh.TOPK, dtype=jnp.int32)[None]
+    w = jnp.full((1, sh.TOPK), 1.0 / sh.TOPK, jnp.float32)
 
     def f(x, ws):
       for g, u, d in ws:
@@ -364,7 +393,7 @@ def _compile_probe(q):
   return rows
 
 
-def _check(types):
+def _check(types, interpret=False):
   """Compiled kernels vs the reference on small random shapes (odd N, several experts, B in 1, 3, 8)."""
   import jax
   import jax.numpy as jnp
@@ -381,14 +410,14 @@ def _check(types):
     d = QTensor.from_gguf(quant.random_blocks(q, (6, 512, 256), rng), q, 256)
     for B in (1, 3, 8, 16):
       x = jnp.asarray(rng.standard_normal((B, K)).astype(np.float32))
-      y = qmatmul_pallas.qmatmul_pallas(x, w)
+      y = qmatmul_pallas.qmatmul_pallas(x, w, interpret=interpret)
       with jax.default_matmul_precision("highest"):      # XLA's f32 dot is TF32 by default on GPU
         r = qmatmul.qmatmul_ref(x, w)
       e1 = float(jnp.linalg.norm(y - r) / jnp.linalg.norm(r))
       xm = jnp.asarray(rng.standard_normal((B, 512)).astype(np.float32))
       ids = jnp.asarray(np.stack([rng.choice(6, 2, replace=False) for _ in range(B)]).astype(np.int32))
       wt = jnp.asarray(rng.random((B, 2)).astype(np.float32))
-      ym = moe_pallas.moe_pallas(xm, ids, wt, g, u, d)
+      ym = moe_pallas.moe_pallas(xm, ids, wt, g, u, d, interpret=interpret)
       with jax.default_matmul_precision("highest"):
         rm = moe_ops.moe_ref(xm, ids, wt, g, u, d)
       e2 = float(jnp.linalg.norm(ym - rm) / jnp.linalg.norm(rm))
@@ -396,11 +425,6 @@ def _check(types):
                    "ok": bool(e1 < 1e-4 and e2 < 1e-4)})
       print(f"check {q} B={B}: qmatmul {e1:.2e} moe {e2:.2e} {'ok' if rows[-1]['ok'] else 'FAIL'}", flush=True)
   return rows
-
-
-def _interp(mod, name):
-  import functools
-  setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
 
 
 class _Progress:
@@ -422,15 +446,10 @@ def main(argv):
   from ops import quant, repack
   from ops.qtensor import QTensor
 
-  global D, F, E, TOPK, NPROJ, SWEEP_LAYERS
-  from ops import qmatmul_pallas as _qp
-  switch_defaults = {name: getattr(_qp, name) for name in SWITCHES.values()}
+  sh = Shape(*(int(v) for v in FLAGS.shape))
+  D, F, E, TOPK, NPROJ = sh
   SWEEP_LAYERS = FLAGS.sweep_layers
-  D, F, E, TOPK, NPROJ = (int(v) for v in FLAGS.shape)
-  if FLAGS.interpret:
-    from ops import moe_pallas, qmatmul_pallas
-    _interp(moe_pallas, "moe_pallas")
-    _interp(qmatmul_pallas, "qmatmul_pallas")
+  interp = FLAGS.interpret
   os.makedirs(FLAGS.out, exist_ok=True)
   out_path = os.path.join(FLAGS.out, "results.jsonl")
   dev = jax.devices()[0]
@@ -445,10 +464,10 @@ def main(argv):
       f.write(json.dumps(rec) + "\n")
 
   if FLAGS.check:
-    for r in _check(FLAGS.types):
+    for r in _check(FLAGS.types, interp):
       emit(r)
   if FLAGS.compile_probe:
-    for r in _compile_probe(FLAGS.types[0]):
+    for r in _compile_probe(FLAGS.types[0], sh):
       emit(r)
 
   copy = _copy_bw(FLAGS.iters)
@@ -469,6 +488,10 @@ def main(argv):
 
   batches = [int(b) for b in FLAGS.batches]
   sweeps = json.loads(FLAGS.sweep) if FLAGS.sweep else []
+  try:
+    sweep_tuned = [sweep_tunings(ov) for ov in sweeps]
+  except (TypeError, ValueError) as e:
+    raise app.UsageError(f"--sweep: {e}") from None
   n_cells = len(FLAGS.types) * (len(sweeps) + len(batches) * len(FLAGS.impls) * len(FLAGS.parts))
   prog = _Progress(n_cells)
   key = jax.random.PRNGKey(1)
@@ -483,45 +506,36 @@ def main(argv):
     return [stack[i] for i in range(stack.shape[0])]
   for q in FLAGS.types:
     per_expert = 3 * quant.row_bytes(q, D) * F            # gate + up (F rows of D) + down (D rows of F): equal
-    layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L, separate=sep)
+    layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L, separate=sep, sh=sh)
     wproj = proj_copies(QTensor(repack.random_planes(jax.random.PRNGKey(7), q, (16, NPROJ, D)), q, D, "pallas"))
     proj_bytes = quant.row_bytes(q, D) * NPROJ
-    for si, ov in enumerate(sweeps):
-      ids, w = _routing(jax.random.PRNGKey(11), L, 1, separate=sep)
+    for si, (ov, (moe_t, proj_t)) in enumerate(zip(sweeps, sweep_tuned)):
+      ids, w = _routing(jax.random.PRNGKey(11), L, 1, separate=sep, sh=sh)
       x = jax.random.normal(jax.random.PRNGKey(3), (1, D), jnp.float32)
       rec = {"cell": "sweep", "type": q, "B": 1, "overrides": ov}
-      ov = dict(ov)
-      for key_, name in SWITCHES.items():                  # tile forms read at trace time
-        v = bool(ov.pop(key_, switch_defaults[name]))
-        if v != getattr(_qp, name):
-          setattr(_qp, name, v)
-          jax.clear_caches()                               # the kernels' jit caches do not key on them
       try:
-        t = median_seconds(_step_fn("pallas", ov, FLAGS.layer_loop), x, ids[:SWEEP_LAYERS], w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
+        t = median_seconds(_step_fn("pallas", moe_t, FLAGS.layer_loop, interp), x, ids[:SWEEP_LAYERS],
+                           w[:SWEEP_LAYERS], layers, iters=FLAGS.iters)
         rec.update(ms=t * 1e3, layers=SWEEP_LAYERS, GBps=_routed_bytes(ids[:SWEEP_LAYERS], per_expert) / t / 1e9)
         rec["pct_copy"] = 100 * rec["GBps"] / copy
-        if "proj" in ov:
-          tp = median_seconds(_proj_fn("pallas", ov["proj"]), x, wproj, iters=FLAGS.iters) / 16
+        if proj_t is not None:
+          tp = median_seconds(_proj_fn("pallas", proj_t, interp, sh), x, wproj, iters=FLAGS.iters) / 16
           rec.update(proj_us=tp * 1e6, proj_GBps=proj_bytes / tp / 1e9)
       except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result too
         rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       emit(rec)
       prog.step(f"sweep {q} {si}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
-    if any(getattr(_qp, n) != v for n, v in switch_defaults.items()):   # the cells below run the default forms
-      for n, v in switch_defaults.items():
-        setattr(_qp, n, v)
-      jax.clear_caches()
     for impl in sorted(FLAGS.impls, key=lambda i: i == "bf16"):   # bf16 last: it replaces the weights
       if impl == "bf16":
         if q != FLAGS.types[0]:
           continue
         del layers
-        layers = _bf16_experts(key, L, separate=sep)
+        layers = _bf16_experts(key, L, separate=sep, sh=sh)
         wp = proj_copies(jax.random.normal(key, (16, NPROJ, D), jnp.bfloat16))
       else:
         wp = wproj
       for B in batches:
-        ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B, separate=sep)
+        ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B, separate=sep, sh=sh)
         x = jax.random.normal(jax.random.PRNGKey(3), (B, D), jnp.float32)
         pe = 3 * 2 * D * F if impl == "bf16" else per_expert
         qn = "BF16" if impl == "bf16" else q
@@ -529,20 +543,20 @@ def main(argv):
           rec = {"type": qn, "impl": impl, "B": B, "cell": part}
           try:
             if part == "b":
-              t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids, w, layers, iters=FLAGS.iters)
+              t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop, interp), x, ids, w, layers, iters=FLAGS.iters)
               nbytes = _routed_bytes(ids, pe)
               rec.update(layers=L, ms=t * 1e3, GBps=nbytes / t / 1e9)
-              rec["queued_ms"] = 1e3 * queued_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids, w, layers,
+              rec["queued_ms"] = 1e3 * queued_seconds(_step_fn(impl, None, FLAGS.layer_loop, interp), x, ids, w, layers,
                                                       iters=FLAGS.iters)
               if impl == "pallas":     # the same step without weight bytes: launches, grids and glue only
-                floor = _floor_fn(q, FLAGS.interpret)
+                floor = _floor_fn(q, interp, sh)
                 rec["floor_ms"] = 1e3 * median_seconds(floor, x, ids, w, iters=FLAGS.iters)
                 rec["floor_queued_ms"] = 1e3 * queued_seconds(floor, x, ids, w, iters=FLAGS.iters)
             else:
               n1 = min(8, L)
-              t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
+              t = median_seconds(_step_fn(impl, None, FLAGS.layer_loop, interp), x, ids[:n1], w[:n1], layers, iters=FLAGS.iters) / n1
               nbytes = _routed_bytes(ids[:1], pe)
-              tp = median_seconds(_proj_fn(impl, None), x, wp, iters=FLAGS.iters) / 16
+              tp = median_seconds(_proj_fn(impl, None, interp, sh), x, wp, iters=FLAGS.iters) / 16
               pb = 2 * NPROJ * D if impl == "bf16" else proj_bytes
               rec.update(layer_us=t * 1e6, GBps=_routed_bytes(ids[:n1], pe) / n1 / t / 1e9,
                          proj_us=tp * 1e6, proj_GBps=pb / tp / 1e9)
@@ -553,11 +567,11 @@ def main(argv):
           prog.step(f"{qn} {impl} B={B} {part}: {rec.get('GBps', 0):.0f} GB/s {rec.get('error', '')[:80]}")
     if FLAGS.profile:      # where a part (b) step's time goes: kernels, the fusions between them, idle gaps
       if "bf16" in FLAGS.impls and q == FLAGS.types[0]:       # the bf16 cells replaced the quantized experts
-        layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L, separate=sep)
+        layers = _experts(jax.random.fold_in(key, sum(map(ord, q))), q, L, separate=sep, sh=sh)
       B = batches[0]
-      ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B, separate=sep)
+      ids, w = _routing(jax.random.fold_in(jax.random.PRNGKey(5), B), L, B, separate=sep, sh=sh)
       x = jax.random.normal(jax.random.PRNGKey(3), (B, D), jnp.float32)
-      fn = _step_fn("pallas", None, FLAGS.layer_loop)
+      fn = _step_fn("pallas", None, FLAGS.layer_loop, interp)
       jax.block_until_ready(fn(x, ids, w, layers))
       with jax.profiler.trace(os.path.join(FLAGS.profile, q), create_perfetto_trace=True):
         for _ in range(FLAGS.iters):

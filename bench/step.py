@@ -22,7 +22,7 @@ import time
 
 from absl import app, flags, logging
 
-from ops.attention_pallas import is_spec
+from ops.attention_pallas import DOTS, is_spec
 
 FLAGS = flags.FLAGS
 
@@ -41,75 +41,79 @@ flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
 flags.DEFINE_bool("host_skip_idle", True, "host tier: run the ring-only trunk under one lax.cond per step "
-                  "while no position has left the ring (model.host_tier.SKIP_IDLE_TIER)")
-flags.DEFINE_string("attn_kernel", None, "decode attention kernel defaults dots[:bk:warps:stages] "
-                    "(ops.attention_pallas.configure; e.g. bf16x2:128:8:3); unset: the module's")
+                  "while no position has left the ring (model.options.Options.skip_idle_tier)")
+flags.DEFINE_string("attn_kernel", None, "decode attention kernel tuning dots[:bk:warps:stages] for every cell "
+                    "(ops.attention_pallas.parse_spec; e.g. bf16x2:128:8:3); unset: the kernel's table")
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
                          "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
 flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_qkv, as load_model does); "
                   "--nofuse_qkv runs three")
 flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNorm + residual, routing, q/k norm + "
-                  "RoPE + ring write; model.transformer.GLUE_KERNELS, with --kernels pallas); off: the XLA ops; "
-                  "old: the glue tilings before 2026-12-01; on may carry overrides (see _glue_tilings), e.g. "
-                  "on/rope=1/router=64:2048:8:1/xnat=0/gatherq=0; a list runs every variant cell by cell in one "
-                  "process (the A/B)")
+                  "RoPE + ring write; Options.glue, with --kernels pallas); off: the XLA ops; on may carry tuning "
+                  "overrides (see glue_options), e.g. on/rope=1/router=64:2048:8:1/xnat=0; a list runs every "
+                  "variant cell by cell in one process (the A/B)")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
+GLUE_USAGE = "expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0"
 
-_NEW_TILINGS = {}
 
+def glue_options(spec: str):
+  """(glue on, the Tunings of its overrides) for one --glue value; a malformed value is a one-line usage error.
+  Overrides, "/"-separated after "on":
+    rope=N             ops.rope_write_pallas.Tuning(q_programs=N) (q programs per token)
+    router=P:DC:W:RW   ops.router_pallas.Tuning (logits programs, D chunk, warps; top-k warps)
+    xnat=T:B+T:B | 0   the quantized kernels' x layout per type (ops.qmatmul_pallas.Tuning.natural_b for the
+                       projections and both MoE kernels: natural order up to B tokens; types not named and 0:
+                       the permuted view)
 
-def _glue_tilings(spec: str) -> None:
-  """Set the small-kernel choices of one --glue value (all read at trace time). Start from the modules' own, then
-  apply "old" (the glue tilings before 2026-12-01) or "/"-separated overrides:
-    rope=N             ops.rope_write_pallas.Q_PROGRAMS (q programs per token)
-    router=P:DC:W:RW   ops.router_pallas.LOGITS_TILING (programs, D chunk, warps) and ROUTE_WARPS
-    xnat=T:B+T:B | 0   ops.qmatmul_pallas.NATURAL_X_MAX_B (types read in natural x order up to B tokens; 0: none)
-    gatherq=0          ops.attention_pallas.GATHER_Q off (q padded by XLA)
-    ksum=1             the MoE down kernel sums the token's top-k itself (ops.moe_pallas.MOE_TUNING, tile KSUM)
-    grid16=0|1         ops.qmatmul_pallas.IQ3S_GRID16 (the IQ3_S kernels' 16-bit grid table)
-  A malformed value is a one-line usage error."""
-  from ops import attention_pallas, moe_pallas, qmatmul_pallas, rope_write_pallas, router_pallas
-  if not _NEW_TILINGS:
-    _NEW_TILINGS.update(logits=dict(router_pallas.LOGITS_TILING), route=router_pallas.ROUTE_WARPS,
-                        rope=rope_write_pallas.Q_PROGRAMS, xnat=dict(qmatmul_pallas.NATURAL_X_MAX_B),
-                        gatherq=attention_pallas.GATHER_Q, grid16=qmatmul_pallas.IQ3S_GRID16,
-                        moe={k: dict(v) for k, v in moe_pallas.MOE_TUNING.items()})
-  router_pallas.LOGITS_TILING = dict(_NEW_TILINGS["logits"])
-  router_pallas.ROUTE_WARPS, rope_write_pallas.Q_PROGRAMS = _NEW_TILINGS["route"], _NEW_TILINGS["rope"]
-  qmatmul_pallas.NATURAL_X_MAX_B = dict(_NEW_TILINGS["xnat"])
-  attention_pallas.GATHER_Q = _NEW_TILINGS["gatherq"]
-  qmatmul_pallas.IQ3S_GRID16 = _NEW_TILINGS["grid16"]
-  moe_pallas.MOE_TUNING.clear()
-  moe_pallas.MOE_TUNING.update({k: dict(v) for k, v in _NEW_TILINGS["moe"].items()})
-  base, *parts = ("on/rope=1/router=32:256:4:4" if spec == "old" else spec).split("/")
+  >>> glue_options("on/rope=1")[1].rope_write
+  Tuning(q_programs=1, num_warps=None)
+  """
+  from ops import moe_pallas, qmatmul_pallas, rope_write_pallas, router_pallas
+  from ops.tuning import ByType, Tunings
+  base, *parts = spec.split("/")
   if base not in ("on", "off") or (base == "off" and parts):
-    raise app.UsageError(f"--glue {spec!r}: expected on, off, old, or on with /-separated overrides")
+    raise app.UsageError(f"--glue {spec!r}: {GLUE_USAGE}")
+  kw = {}
   for part in parts:
     key, _, val = part.partition("=")
     try:
       if key == "rope":
-        rope_write_pallas.Q_PROGRAMS = int(val)
+        kw["rope_write"] = rope_write_pallas.Tuning(q_programs=int(val))
       elif key == "router":
         p, dc, w, rw = (int(a) for a in val.split(":"))
-        router_pallas.LOGITS_TILING, router_pallas.ROUTE_WARPS = {"programs": p, "dc": dc, "warps": w}, rw
+        kw["router"] = router_pallas.Tuning(programs=p, dc=dc, warps=w, route_warps=rw)
       elif key == "xnat":
-        qmatmul_pallas.NATURAL_X_MAX_B = {} if val == "0" else {t: int(b) for t, b in
-                                                               (v.split(":") for v in val.split("+"))}
-      elif key == "gatherq":
-        attention_pallas.GATHER_Q = val != "0"
-      elif key == "grid16" and val in ("0", "1"):
-        qmatmul_pallas.IQ3S_GRID16 = val == "1"
-      elif key == "ksum" and val in ("0", "1"):
-        for (kernel, _), tiles in moe_pallas.MOE_TUNING.items():
-          if kernel == "down":
-            tiles["KSUM"] = val == "1"
+        named = {} if val == "0" else {t: int(b) for t, b in (v.split(":") for v in val.split("+"))}
+        if not set(named) <= set(qmatmul_pallas.KERNEL_TYPES):
+          raise ValueError(val)
+        nat = {t: qmatmul_pallas.Tuning(natural_b=named.get(t, 0)) for t in qmatmul_pallas.KERNEL_TYPES}
+        kw["qmatmul"] = ByType(**nat)
+        kw["moe"] = ByType(**{t: moe_pallas.Tuning(gateup=n, down=n) for t, n in nat.items()})
       else:
         raise ValueError(key)
     except ValueError:
-      raise app.UsageError(f"--glue {spec!r}: override {part!r}, expected rope=N, router=P:DC:W:RW, "
-                           f"xnat=T:B+T:B or 0, gatherq=0, ksum=0|1, grid16=0|1") from None
+      raise app.UsageError(f"--glue {spec!r}: override {part!r}, {GLUE_USAGE}") from None
+  return base == "on", Tunings(**kw)
+
+
+def cell_options(glue: str, attn: str, skip_idle_tier: bool, attn_kernel: str | None = None):
+  """The model Options of one cell: its --glue value and its attention ("auto": the dispatcher's default, "ref" |
+  "pallas", or a kernel spec dots/bk/warps/stages: the decode kernel so tuned; --attn_kernel tunes the kernel of
+  every cell that does not name one)."""
+  from model.options import Options
+  from ops.attention_pallas import parse_spec
+  on, tunings = glue_options(glue)
+  spec = attn.replace("/", ":") if attn.split("/")[0] in DOTS else None
+  if spec is not None and not is_spec(spec):
+    raise app.UsageError(f"--cells: attention {attn!r}, expected dots/bk/warps/stages")
+  if spec is None and attn not in ("auto", "ref", "pallas"):
+    raise app.UsageError(f"--cells: attention {attn!r}, expected auto, ref, pallas or dots/bk/warps/stages")
+  kernel = spec or attn_kernel
+  tunings = tunings.replace(attention_impl=None if attn == "auto" else "pallas" if spec else attn,
+                            attention=parse_spec(kernel) if kernel else None)
+  return Options(glue=on, skip_idle_tier=skip_idle_tier, tunings=tunings)
 
 
 def _random_kv(store, n_live: int, seed: int):
@@ -150,12 +154,12 @@ def fill_host(ring, depth: int, capacity: int, seed: int = 1):
   return place_on_host(_random_kv(HostTier.like(ring, capacity), max(0, depth - ring.window), seed))
 
 
-def time_steps(params, cfg, ring, steps: int, repeats: int, host=None,
-               trace_dir: str | None = None) -> tuple[list[float], float]:
+def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir: str | None = None,
+               options=None) -> tuple[list[float], float]:
   """Time the jitted plain loop (with a host tier when given): (seconds per decode step, one value per repeat;
   seconds of the untimed first run, i.e. compile + one run). The state is donated to the loop, so every repeat
   starts from the previous one's state rewound; with `trace_dir` one more run is traced with jax.profiler (a
-  perfetto trace, untimed)."""
+  perfetto trace, untimed). options: the model's (model.options.Options; None: the defaults)."""
   import contextlib
 
   import jax
@@ -163,7 +167,8 @@ def time_steps(params, cfg, ring, steps: int, repeats: int, host=None,
 
   from decode.engine import LoopState, decode_loop
   from model import api
-  kw = dict(cfg=cfg, temperature=0.0, top_p=1.0)
+  from model.options import DEFAULT
+  kw = dict(cfg=cfg, temperature=0.0, top_p=1.0, options=options or DEFAULT)
   base_len = int(ring.length)
   out = []
   ls = None
@@ -192,23 +197,17 @@ def time_steps(params, cfg, ring, steps: int, repeats: int, host=None,
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  import jax
   from tqdm import tqdm
 
   from configs.presets import preset
   from model.kv_ring import KVRing
   from model.writer import quant_policy, random_params
-  from ops import attention
-  from ops.qtensor import with_kernels
-  from model import host_tier
   from ops import attention_pallas
-  host_tier.SKIP_IDLE_TIER = FLAGS.host_skip_idle      # read at trace time
-  from model import transformer
+  from ops.qtensor import with_kernels
   for g in FLAGS.glue:                        # every variant checked before the first cell runs
-    _glue_tilings(g)
-  if FLAGS.attn_kernel:
-    attention_pallas.configure(FLAGS.attn_kernel)            # read at trace time
+    glue_options(g)
   cfg = preset(FLAGS.preset)
+  table_dots = attention_pallas.TUNING.get(cfg.head_dim, attention_pallas.DEFAULT_TUNING).dots
   t0 = time.time()
   params = random_params(cfg, types=quant_policy(FLAGS.experts, FLAGS.other), progress=True)
   if FLAGS.fuse_qkv:
@@ -228,25 +227,13 @@ def main(argv):
       parts += ["auto", FLAGS.kernels[0], ""][len(parts) - 2:]
       cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2], int(parts[4]) if parts[4] else None))
   cells = [c + (rw,) for c in cells for rw in FLAGS.glue]
+  for _, _, _, at, _, rw in cells:
+    cell_options(rw, at, FLAGS.host_skip_idle, FLAGS.attn_kernel)
   with open(FLAGS.out, "a") as f:
-    prev = None
     for R, depth, kn, at, C, rw in tqdm(cells, desc="cells", file=sys.stderr):
-      if prev is not None and prev != (kn, at, rw):
-        jax.clear_caches()                      # the attention and glue choices are read at trace time
-      prev = (kn, at, rw)
-      transformer.GLUE_KERNELS = rw != "off"
-      _glue_tilings(rw)
+      opts = cell_options(rw, at, FLAGS.host_skip_idle, FLAGS.attn_kernel)
       p = with_kernels(params, kn)
-      default_gpu = attention.DEFAULT_GPU_IMPL
-      default_kernel = attention_pallas.DEFAULT_DOTS, dict(attention_pallas.TUNING)
-      spec = at.replace("/", ":") if at.split("/")[0] in attention_pallas.DOTS else None
-      if spec:                                    # a kernel spec dots[/bk/warps/stages]: the kernel so tuned
-        if not is_spec(spec):
-          raise app.UsageError(f"--cells: attention {at!r}, expected dots/bk/warps/stages")
-        attention_pallas.configure(spec)
-        attention.DEFAULT_GPU_IMPL = "pallas"
-      elif at != "auto":
-        attention.DEFAULT_GPU_IMPL = at          # read at trace time; caches are cleared after each cell
+      spec = at.replace("/", ":") if at.split("/")[0] in DOTS else None
       try:
         if C is not None and C < depth + FLAGS.steps + 1:
           raise ValueError(f"max_context {C} < depth {depth} + {FLAGS.steps + 1} steps")
@@ -256,18 +243,15 @@ def main(argv):
         host = fill_host(ring, depth, host_cap) if host_cap else None
         name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
         tdir = os.path.join(FLAGS.profile, name) if FLAGS.profile else None
-        ts, first_s = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir)
+        ts, first_s = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir, options=opts)
       except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
         print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
         continue
-      finally:
-        attention.DEFAULT_GPU_IMPL = default_gpu
-        attention_pallas.DEFAULT_DOTS, attention_pallas.TUNING = default_kernel[0], default_kernel[1]
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
              "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "glue": rw,
-             "attn_kernel": spec or FLAGS.attn_kernel or attention_pallas.DEFAULT_DOTS,
+             "attn_kernel": spec or FLAGS.attn_kernel or table_dots,
              "host_skip_idle": FLAGS.host_skip_idle if host_cap else None, "ms_per_step": ms,
              "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,

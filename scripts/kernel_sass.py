@@ -4,7 +4,8 @@ mix for sm_90, from the Triton IR that Pallas emits on this CPU-only jaxlib.
 Two steps, two Python environments (jaxlib does not ship Triton's Python compiler; the pip `triton` wheel does,
 with ptxas and cuobjdump inside it):
 
-  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention] [--form F: default x1, the GPU's]   # project venv: DIR/<kernel>.ttir
+  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention] [--precision P: f32 | bf16 (default,
+      the GPU's)]   # project venv: DIR/<kernel>.ttir
   TRITON_ALWAYS_COMPILE=1 /path/to/venv-with-triton/bin/python scripts/kernel_sass.py compile DIR
 
 `compile` runs Triton's TTIR passes first (XLA runs the same pipeline on a GPU: canonicalize, combine, ...), then
@@ -26,16 +27,16 @@ from collections import Counter
 # --------------------------------------------------------------------------------------- dump (project venv)
 
 
-def _cases(names):
+def _cases(names, precision="bf16"):
   import jax
   import jax.numpy as jnp
   from ops import moe_grouped_pallas, qgemm_pallas
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-  from test_lowering import _abstract_qtensor  # noqa: E402  (the abstract planes the lowering tests use)
+  from tests.ops.test_lowering import _abstract_qtensor  # noqa: E402  (the abstract planes the lowering tests use)
   x = jax.ShapeDtypeStruct((1024, 2048), jnp.float32)
   if "qgemm" in names:
     for q in ("Q8_0", "IQ3_S", "Q4_K"):
-      yield f"qgemm_{q}", (lambda x, w: qgemm_pallas.qgemm_pallas(x, w)), (x, _abstract_qtensor(q, (5120, 2048)))
+      yield (f"qgemm_{q}", (lambda x, w: qgemm_pallas.qgemm_pallas(x, w, precision=precision)),
+             (x, _abstract_qtensor(q, (5120, 2048))))
   if "decode" in names:                         # the decode kernels at B = 1 and a verify pass's B = 4
     from ops import moe_pallas, qmatmul_pallas
     for q in ("IQ3_S", "Q4_K", "Q8_0"):
@@ -63,15 +64,15 @@ def _cases(names):
     wk = jax.ShapeDtypeStruct((1024, 8), jnp.float32)
     for q in ("IQ3_S", "Q4_K"):
       g, d = _abstract_qtensor(q, (128, 768, 2048)), _abstract_qtensor(q, (128, 2048, 768))
-      yield (f"grouped_{q}", lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d),
+      yield (f"grouped_{q}", lambda x, i, w, g, u, d: moe_grouped_pallas.moe_grouped_pallas(x, i, w, g, u, d,
+                                                                                           precision=precision),
              (x, ids, wk, g, g, d))
 
 
 def dump(out_dir, names):
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
   from jax._src.pallas.triton import pallas_call_registration as reg
-  from test_lowering import _lower
+  from tests.ops.test_lowering import _lower
   os.makedirs(out_dir, exist_ok=True)
   captured = []
   orig = reg.lowering.lower_jaxpr_to_triton_module
@@ -82,11 +83,11 @@ def dump(out_dir, names):
     return r
 
   reg.lowering.lower_jaxpr_to_triton_module = capture
-  from ops import qgemm_pallas                  # the form a GPU takes by default (this CPU's default is another)
-  qgemm_pallas.GEMM_FORM = sys.argv[sys.argv.index("--form") + 1] if "--form" in sys.argv else "x1"
-  if qgemm_pallas.GEMM_FORM not in qgemm_pallas.GEMM_FORMS:
-    sys.exit(f"--form {qgemm_pallas.GEMM_FORM}: expected one of {', '.join(qgemm_pallas.GEMM_FORMS)}")
-  for case, fn, args in _cases(names):
+  # the precision a GPU takes by default (this CPU's default is the other)
+  precision = sys.argv[sys.argv.index("--precision") + 1] if "--precision" in sys.argv else "bf16"
+  if precision not in ("f32", "bf16"):
+    sys.exit(f"--precision {precision}: expected f32 or bf16")
+  for case, fn, args in _cases(names, precision):
     captured.clear()
     txt = _lower("cuda", fn, *args)
     cfgs = re.findall(r"name = \"(\w+)\", num_stages = (\d+) : i32, num_warps = (\d+) : i32", txt)

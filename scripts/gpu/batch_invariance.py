@@ -25,10 +25,10 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="seed-mtp")
 ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--T", type=int, default=4)
-ap.add_argument("--glue", default="on,off", help="model.transformer.GLUE_KERNELS settings of the trunk check")
+ap.add_argument("--glue", default="on,off", help="model.options.Options.glue settings of the trunk check")
 ap.add_argument("--proj_types", default="Q8_0", help="projection types of the qmatmul rows (Q4_K, IQ3_S, Q6_K: "
                 "their tiles shrink with the batch above ops.qmatmul_pallas.INVARIANT_B)")
-ap.add_argument("--moe_types", default="IQ3_S", help="routed-expert types of the moe_pallas rows (Q4_K: the FOLD_K tile)")
+ap.add_argument("--moe_types", default="IQ3_S", help="routed-expert types of the moe_pallas rows (Q4_K: its word-shaped tile)")
 a = ap.parse_args()
 cpu = jax.default_backend() == "cpu"
 kern = "interpret" if cpu else "pallas"
@@ -94,7 +94,7 @@ for depth in (1000, 1025):            # 1025: the pass's last query opens a key 
 # beside a host tier: the ring part with per-row windows on a wrapped ring whose window start crosses a key tile
 # within the pass (the old contiguous split schedule moved its boundaries there), and the tier part block by block
 R, W = 4096, 4096 - T
-bk = attention.attention_pallas.tuning(Dh, 256)[0]
+bk = attention.attention_pallas.config(Dh, 256, Hkv, jnp.int8).bk
 L = 2 * R + (bk - 3 - T) % bk                           # window starts L + 1 - W + t = bk - 2 + t (mod bk): rows 0-1
                                                         # start in one key tile, rows 2.. in the next
 ring = KVRing.create(1, R, Hkv, Dh, "int8", block=256)
@@ -126,41 +126,40 @@ for j, what in ((0, "out"), (1, "lse")):
         flush=True)
 
 # the trunk: T decode steps against one T-token forward (the verify pass) from the same prefilled state
-from model import transformer  # noqa: E402
-if cpu:                                 # the decode attention kernel (interpret mode) for T <= 8, as on the GPU
-  from ops import attention_pallas  # noqa: E402
-  attention.default_impl = lambda T: "interpret" if T <= attention_pallas.MAX_T else "ref"
+from model.options import Options  # noqa: E402
+from ops.tuning import Tunings  # noqa: E402
+# on CPU the decode attention kernel in interpret mode for T <= 8, as on the GPU (prefill: the reference)
+BASE = Options(tunings=Tunings(attention_impl="interpret")) if cpu else Options()
 small = dataclasses.replace(cfg, n_layers=a.layers)
 params = with_kernels(api.fuse_qkv(random_params(small, types=quant_policy("IQ3_S", "Q8_0"))), kern)
 prompt = jnp.asarray(rng.integers(0, small.vocab_size, 40), jnp.int32)
 toks = jnp.asarray(rng.integers(0, small.vocab_size, T), jnp.int32)
 
 
-def steps_vs_pass(make_state, prompt, chunk: int):
+def steps_vs_pass(make_state, prompt, chunk: int, options: Options):
   """Logits of T decode steps and of one T-token pass from the same prefilled state: (max |diff| per position,
   argmax equal per position)."""
   outs = []
   for mode in ("steps", "verify"):
     st = make_state()
     for c in range(0, len(prompt), chunk):
-      _, _, st = api.prefill(params, prompt[c:c + chunk], st, cfg=small)
+      _, _, st = api.prefill(params, prompt[c:c + chunk], st, cfg=small, options=options)
     if mode == "steps":
       ls = []
       for t in range(T):
-        lg, _, st = api.decode_step(params, toks[t], st, cfg=small)
+        lg, _, st = api.decode_step(params, toks[t], st, cfg=small, options=options)
         ls.append(np.asarray(lg))
       outs.append(np.stack(ls))
     else:
-      lg, _, st = api.prefill(params, toks, st, cfg=small)
+      lg, _, st = api.prefill(params, toks, st, cfg=small, options=options)
       outs.append(np.asarray(lg))
   d = np.max(np.abs(outs[0] - outs[1]), axis=-1)
   return [f"{v:.2e}" for v in d], [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
 
 
 for rw in a.glue.split(","):
-  transformer.GLUE_KERNELS = rw == "on"
-  jax.clear_caches()
-  d, same = steps_vs_pass(lambda: api.init_state(small, 4096, "int8", scratch=T), prompt, len(prompt))
+  d, same = steps_vs_pass(lambda: api.init_state(small, 4096, "int8", scratch=T), prompt, len(prompt),
+                          BASE.replace(glue=rw == "on"))
   print(f"trunk {a.preset} x {a.layers} layers, glue kernels {rw}: {T} steps vs a {T}-token pass, max |diff| per "
         f"position {d}, argmax equal {same}", flush=True)
 
@@ -176,8 +175,6 @@ def tiered_state():
   return engine.commit_for_store(st, params, small)
 
 
-transformer.GLUE_KERNELS = True
-jax.clear_caches()
-d, same = steps_vs_pass(tiered_state, jnp.asarray(rng.integers(0, small.vocab_size, 1500), jnp.int32), 250)
+d, same = steps_vs_pass(tiered_state, jnp.asarray(rng.integers(0, small.vocab_size, 1500), jnp.int32), 250, BASE)
 print(f"trunk with an active host tier x {a.layers} layers: {T} steps vs a {T}-token pass, max |diff| per position "
       f"{d}, argmax equal {same}", flush=True)

@@ -1,6 +1,6 @@
 """GPU probe of the decode step's small-kernel choices: the glue kernels' tilings (ops/router_pallas,
-ops/rope_write_pallas) and the quantized kernels' x layout (ops/qmatmul_pallas.NATURAL_X_MAX_B: natural order
-against the permuted view). Each variant is checked against the reference, then timed as a decode step runs it: 48
+ops/rope_write_pallas) and the quantized kernels' x layout (ops/qmatmul_pallas.Tuning.natural_b: natural order
+against the permuted view), each passed to the kernels as a tuning value. Each variant is checked against the reference, then timed as a decode step runs it: 48
 dependent calls (one per layer) in one jitted call, T tokens, the 30B shape by default (D 2048, 128 experts top-8,
 Hq 32 / Hkv 4 x 128, an int8 ring of 4,096; q/k/v Q8_0 5,120 x 2,048, o 2,048 x 4,096, experts --xtypes). One
 process, so the variants compare as ratios.
@@ -24,8 +24,8 @@ ap.add_argument("--T", default="1,4")
 ap.add_argument("--iters", type=int, default=30)
 ap.add_argument("--layers", type=int, default=48)
 ap.add_argument("--router", default="32:256:4:4,64:2048:4:1,128:2048:4:1,32:2048:4:1,64:1024:2:1,64:2048:8:1",
-                help="variants programs:dc:warps:route_warps (the first: the kernel before 2026-12-01)")
-ap.add_argument("--rope", default="1,2,4,8", help="q programs per token (1: the kernel before 2026-12-01)")
+                help="variants programs:dc:warps:route_warps (ops.router_pallas.Tuning)")
+ap.add_argument("--rope", default="1,2,4,8", help="q programs per token (ops.rope_write_pallas.Tuning.q_programs)")
 ap.add_argument("--xnat", default="0,16", help="B values to compare: every type natural up to B tokens (0: the "
                 "permuted view everywhere)")
 ap.add_argument("--xtypes", default="IQ3_S,Q4_K", help="expert types of the x-layout cells")
@@ -56,15 +56,15 @@ for T in (int(t) for t in args.T.split(",")):
   ids_r, w_r = rp.route_ref(x @ router.T, None, **rkw)
   for v in args.router.split(","):
     p, dc, wp, rw_ = (int(a) for a in v.split(":"))
-    tk = dict(programs=p, dc=dc, warps=wp, route_warps=rw_)
-    ids, w = rp.route_pallas(x, router, None, interpret=INTERP, **rkw, **tk)
+    tk = rp.Tuning(programs=p, dc=dc, warps=wp, route_warps=rw_)
+    ids, w = rp.route_pallas(x, router, None, interpret=INTERP, tuning=tk, **rkw)
     print(f"check router T={T} {v}: ids equal {bool(jnp.all(ids == ids_r))}, weights max diff "
           f"{float(jnp.max(jnp.abs(w - w_r))):.1e}", flush=True)
 
     @jax.jit
     def chain(x, tk=tk):
       for _ in range(L):
-        ids, w = rp.route_pallas(x, router, None, interpret=INTERP, **rkw, **tk)
+        ids, w = rp.route_pallas(x, router, None, interpret=INTERP, tuning=tk, **rkw)
         x = x + 1e-6 * (w[:, :1] + ids[:, :1].astype(jnp.float32))
       return x
     print(f"time router T={T} {v}: {timeit(chain, x):.2f} us per layer (logits + top-k)", flush=True)
@@ -79,7 +79,8 @@ for T in (int(t) for t in args.T.split(",")):
             jnp.zeros((R, Hkv), jnp.float32))
   q_r, ring_r = rw.rope_write_ref(qkv, qn, kn, pos, ring(), **okw)
   for qp in (int(a) for a in args.rope.split(",")):
-    q, ring_k = rw.rope_write_pallas(qkv, qn, kn, pos, ring(), interpret=INTERP, q_programs=qp, **okw)
+    q, ring_k = rw.rope_write_pallas(qkv, qn, kn, pos, ring(), interpret=INTERP, tuning=rw.Tuning(q_programs=qp),
+                                     **okw)
     codes = max(int(jnp.max(jnp.abs(a.astype(jnp.int32) - b.astype(jnp.int32)))) for a, b in
                 zip(ring_k[:2], ring_r[:2]))
     print(f"check rope T={T} q_programs={qp}: q max diff {float(jnp.max(jnp.abs(q - q_r))):.1e}, ring codes max "
@@ -88,7 +89,8 @@ for T in (int(t) for t in args.T.split(",")):
     def chain(qkv, rings, qp=qp):
       out = []
       for layer in range(L):
-        q, r = rw.rope_write_pallas(qkv, qn, kn, pos, rings[layer], interpret=INTERP, q_programs=qp, **okw)
+        q, r = rw.rope_write_pallas(qkv, qn, kn, pos, rings[layer], interpret=INTERP,
+                                    tuning=rw.Tuning(q_programs=qp), **okw)
         qkv = qkv.at[:, :Dh].add(1e-6 * q[:, 0, :])
         out.append(r)
       return qkv, out
@@ -126,26 +128,27 @@ if "x" in args.only:
     refs = {"qkv": qmatmul.qmatmul_ref(x, wqkv), "o": qmatmul.qmatmul_ref(a, wo)}
     refs.update({q: moe.moe_ref(x, ids, wk, *e) for q, e in experts.items()})
     for xn in (int(v) for v in args.xnat.split(",")):
-      jax.clear_caches()                               # NATURAL_X_MAX_B is read at trace time
-      qp.NATURAL_X_MAX_B = {t: xn for t in qp.KERNEL_TYPES}
-      got = {"qkv": qp.qmatmul_pallas(x, wqkv, interpret=INTERP), "o": qp.qmatmul_pallas(a, wo, interpret=INTERP)}
-      got.update({q: moe_pallas.moe_pallas(x, ids, wk, *e, interpret=INTERP) for q, e in experts.items()})
+      nat = qp.Tuning(natural_b=xn)                    # every type natural up to xn tokens
+      mt = moe_pallas.Tuning(gateup=nat, down=nat)
+      got = {"qkv": qp.qmatmul_pallas(x, wqkv, interpret=INTERP, tuning=nat),
+             "o": qp.qmatmul_pallas(a, wo, interpret=INTERP, tuning=nat)}
+      got.update({q: moe_pallas.moe_pallas(x, ids, wk, *e, interpret=INTERP, tuning=mt) for q, e in experts.items()})
       for k in got:
         err = float(jnp.linalg.norm(got[k] - refs[k]) / jnp.linalg.norm(refs[k]))
         print(f"check x layout T={T} xnat={xn} {k}: rel L2 {err:.1e}", flush=True)
 
       @jax.jit
-      def proj_chain(x, a):
+      def proj_chain(x, a, nat=nat):
         for _ in range(L):
-          y = qp.qmatmul_pallas(x, wqkv, interpret=INTERP)
-          z = qp.qmatmul_pallas(a, wo, interpret=INTERP)
+          y = qp.qmatmul_pallas(x, wqkv, interpret=INTERP, tuning=nat)
+          z = qp.qmatmul_pallas(a, wo, interpret=INTERP, tuning=nat)
           x = x + 1e-6 * y[:, :DX] + 1e-6 * z
         return x
       print(f"time x layout T={T} xnat={xn} q/k/v + o (Q8_0): {timeit(proj_chain, x, a):.2f} us per layer", flush=True)
       for q, e in experts.items():
         @jax.jit
-        def moe_chain(x, e=e):
+        def moe_chain(x, e=e, mt=mt):
           for _ in range(L):
-            x = x + 1e-6 * moe_pallas.moe_pallas(x, ids, wk, *e, interpret=INTERP)
+            x = x + 1e-6 * moe_pallas.moe_pallas(x, ids, wk, *e, interpret=INTERP, tuning=mt)
           return x
         print(f"time x layout T={T} xnat={xn} experts {q}: {timeit(moe_chain, x):.2f} us per layer", flush=True)

@@ -5,19 +5,18 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open after 2026-12-02 (sixteenth session: PART 19 ran at a917c5b; KSUM loses 1.8x and stays off; the
-# launch floor (`bench.kernels --launch_floor`, ~2 us per dependent launch) puts issue 3's B = 1 goal out of reach of
-# any per-layer launch design: PERF "Part (b) at a917c5b and after"), in priority order:
+# Still open (the launch floor, `bench.kernels --launch_floor`, ~2 us per dependent launch, puts issue 3's B = 1 goal
+# out of reach of any per-layer launch design: PERF "Part (b) at a917c5b and after"), in priority order:
 #   0. Issue 3 is blocked on launch latency. What could unblock it, none started: a persistent multi-layer kernel
 #      (grid barriers; not in Pallas), XLA programmatic dependent launch for custom calls, or a goal at B = 4.
 #   1. Issue 3: IQ3_S's gate/up kernel runs at ~670 GB/s against Q4_K's ~1,110 (traces at 9325bd7, 2c10895): the
 #      grid-table gather's layout conversions (16 barriers, scripts/kernel_sass.py) are the known difference; a
-#      table half the size (IQ3S_GRID16, 14c6abb) did not help, so not the gather's cache lines.
+#      table half the size did not help (PERF "Retired options"), so not the gather's cache lines.
 #   2. The seed-1 TTFT anomaly at 32K (16-19 s against 8.6 s: the first prefill of a new prompt after a cached one),
 #      and seed 0's prefill 14-19 % slower at 1K in every e2e run. A lead (read in the code, unmeasured): generate's
 #      TTFT window holds start_request whole, i.e. init_state's pinned host-tier allocation (6.9 GB at 139K, ~4 s)
 #      and PrefillCache.put's eviction of the older prompt's entries (their pinned tiers freed) besides the prefill.
-#      Since 3b011d8 every request's stats split TTFT into setup_s and prefill_s (the bench logs them per run): run
+#      Every request's stats split TTFT into setup_s and prefill_s (the bench logs them per run): run
 #      `python3 scripts/gpu/tier_alloc_probe.py` (a 139K tier's pinned allocation and free, ~1 min; not yet run) and
 #      the 32K seed4 cells (PART 3 with --depths 32768) and read the split in <cells>.logs/.
 #   3. Prefill levers: the prefill attention kernel's ~70 TFLOP/s (the 128K prompt: 158 s / 139 s at 9325bd7).
@@ -108,19 +107,12 @@ case "${PART:-1}" in
   for p in ${P13:-seed-mtp qwen3moe-30b-a3b}; do
     timeout ${T13:-150} python3 scripts/gpu/batch_invariance.py --preset $p --layers 4 --proj_types ${PT13:-Q8_0} --moe_types ${MT13:-IQ3_S} 2>&1 | grep -vE "^(W|I)[0-9]" | tail -${N13:-12}
   done ;;
-15) # issue 7 (prefill): the GEMM forms A/B, interleaved in one process (commit 95d0601: x split once by XLA, MMAs
-    # accumulating in place; statically no spills where v1 spilled 0.2-2.4 KB per thread), kernels then the 30B prefill
-  timeout ${T15A:-240} python3 scripts/gpu/qgemm_check.py --types ${TY15:-Q8_0,IQ3_S,Q4_K} --forms presplit,v1,presplit,v1 \
-    2>&1 | tee $OUT/forms.log | grep -E "^form"
-  timeout ${T15B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "gemm=v1;default;gemm=v1;default" \
-    2>&1 | filt | grep -E "^prefill" ;;
-16) # issue 7 (prefill): fewer MMAs per product (qgemm_pallas.GEMM_FORM x2: x in bf16, w split; x1: both in bf16,
-    # the GPU default since the eleventh session) against the float32-accurate presplit, kernels then the 30B prefill
-    # (start_request whole and the prompt's calls alone), interleaved; PROF16=1 traces each (GAP16: idle stretches);
-    # then the end-to-end cells at 1K for both expert types (E16=0 skips them)
-  [ "${T16A:-200}" != 0 ] && timeout ${T16A:-200} python3 scripts/gpu/qgemm_check.py --types ${TY16:-Q8_0,IQ3_S,Q4_K} --forms presplit,x2,x1,presplit,x2,x1 \
-    2>&1 | tee $OUT/forms.log | grep -E "^form"
-  timeout ${T16B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "${V16:-gemm=presplit;default;gemm=x2;gemm=presplit;default}" \
+16) # issue 7 (prefill): the prefill precisions, bf16 (one MMA, the GPU default) against the float32-accurate f32,
+    # kernels then the 30B prefill (start_request whole and the prompt's calls alone), interleaved; PROF16=1 traces
+    # each (GAP16: idle stretches); then the end-to-end cells at 1K for both expert types (E16=0 skips them)
+  [ "${T16A:-200}" != 0 ] && timeout ${T16A:-200} python3 scripts/gpu/qgemm_check.py --types ${TY16:-Q8_0,IQ3_S,Q4_K} --precisions f32,bf16,f32,bf16 \
+    2>&1 | tee $OUT/forms.log | grep -E "^precision"
+  timeout ${T16B:-300} python3 scripts/gpu/prefill_probe.py --chunks 1024 --variants "${V16:-precision=f32;default;precision=f32;default}" \
     ${PROF16:+--profile $OUT/trace} 2>&1 | filt | grep -E "^prefill"
   for c in $OUT/trace/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --top 25 --gaps ${GAP16:-30} > $c.summary.txt 2>&1; rm -rf $c; done
@@ -138,9 +130,8 @@ case "${PART:-1}" in
     --reuse_prefill --cells $OUT/seed4-deep.jsonl 2>&1 | filt | grep -vE "^(W|I)[0-9]" | tee $OUT/seed4-deep.log | tail -12 ;;
 18) # issue 3: part (b) at B = 1 taken apart. A sweep against the default (split K of gate/up over KS programs, stages,
     # row tiles), then --profile: a trace of 10 part (b) steps per type, summarised per kernel with the idle gaps
-  # FOLD_K (the Q4_K / Q5_K tile's word-shaped form, default since this session) against the per-sub-block form
-  # first, interleaved; then --check (compiled kernels against the reference) for Q4_K and Q5_K
-  SW='[{},{"fold_k":false},{},{"fold_k":false},{"gateup":{"KS":2}},{"gateup":{"KS":4}},{"gateup":{"KS":8}},
+  # then --check (compiled kernels against the reference) for Q4_K and Q5_K
+  SW='[{},{"gateup":{"KS":2}},{"gateup":{"KS":4}},{"gateup":{"KS":8}},
       {"gateup":{"num_stages":3},"down":{"num_stages":3}},{"gateup":{"BN":8,"KS":2}},{"down":{"BN":32}},{}]'
   timeout ${T18:-420} python3 -m bench.kernels --out $OUT/kern18 --types ${TY18:-Q4_K,IQ3_S} --batches 1 --parts b --impls pallas \
     --sweep "$SW" --sweep_layers 48 --iters 10 --profile $OUT/trace18 2>&1 | filt | grep -E "^(sweep|copy|\||profile)"
@@ -151,21 +142,15 @@ case "${PART:-1}" in
   head -40 $OUT/trace18/*.summary.txt ;;
 19) # issue 3: how much of the B = 1 step any kernel change could still win. Part (b) with its floor (the same
     # launches, grids and glue without weight bytes: bench.kernels._floor_fn) for separate per-layer weights (the
-    # default since 68b44c1, as the model) and then stacked ones (the form of every earlier part (b) figure), then a
-    # trace of the separate form: are the two memcpy32_post per layer gone?
-  # The sweep first: the down kernel summing its token's top-k itself (KSUM: one XLA launch fewer per layer, 8x
-  # fewer down programs) against the default, interleaved; then the table with the floor and the trace
-  SW='[{},{"down":{"KSUM":true}},{},{"down":{"KSUM":true}},{"down":{"KSUM":true,"BN":8}},{"down":{"KSUM":true,"num_warps":8}}]'
+    # default, as the model) and then stacked ones, then a trace of the separate form
   timeout ${T19A:-300} python3 -m bench.kernels --out $OUT/kern19 --types ${TY19:-Q4_K,IQ3_S} --batches 1,4 --parts b \
-    --impls pallas --iters 20 --sweep "$SW" --sweep_layers 48 --profile $OUT/trace19 2>&1 | filt | tee $OUT/kern19.log \
+    --impls pallas --iters 20 --profile $OUT/trace19 2>&1 | filt | tee $OUT/kern19.log \
     | grep -E "^(copy|\||profile|sweep)"
   timeout ${T19B:-120} python3 -m bench.kernels --out $OUT/kern19s --types ${TY19:-Q4_K,IQ3_S} --batches 1 --parts b \
     --impls pallas --iters 20 --layer_weights stacked 2>&1 | filt | tee $OUT/kern19s.log | grep -E "^(copy|\|)"
   for t in $OUT/trace19/*; do f=$(find $t -name "perfetto_trace.json.gz" | head -1)
     [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 20 --top 12 --gaps 2 > $t.summary.txt 2>&1; rm -rf $t; done
-  head -30 $OUT/trace19/*.summary.txt
-  # the same A/B in the model's decode step (30B shape, IQ3_S experts, 1K), interleaved in one process
-  timeout ${T19C:-150} $S30 --glue on,on/ksum=1,on,on/ksum=1 --cells 4096:1024:auto:pallas 2>&1 | filt | tail -7 ;;
+  head -30 $OUT/trace19/*.summary.txt ;;
 14) # issue 7 (prefill): which tensor-core path could reach llama.cpp (scripts/gpu/gemm_paths.py: the shipped
     # register-dequantizing GEMM, a plain bf16 GEMM from memory, int8 MMAs on Q8_0 codes with per-block scales);
     # then the Q4_K 1K decode goal with 3 seeds (met by 1.2 % with 2 seeds at 4de51d2)

@@ -21,39 +21,38 @@ ap.add_argument("--tokens", type=int, default=1024)
 ap.add_argument("--repeats", type=int, default=3)
 ap.add_argument("--profile", default=None)
 ap.add_argument("--variants", default="default", help="';'-separated settings, each 'default' or "
-                "'dense=M,factor=F,attn=A,gemm=G,combine=C,gatherx=X' (ops.qgemm_pallas.DENSE_ROWS, "
-                "ops.moe_grouped_pallas.ROWS_FACTOR, ops.attention.PREFILL_GPU_IMPL: ref | pallas, "
-                "ops.qgemm_pallas.GEMM_FORM: one of GEMM_FORMS, ops.moe_grouped_pallas.COMBINE: gather | scatter, "
-                "ops.moe_grouped_pallas.GATHER_X: kernel | xla)")
+                "'dense=M,factor=F,attn=A,precision=P' (model Options: ops.qgemm_pallas.Tuning(rows=M), the most "
+                "rows per dense row tile; ops.moe_grouped_pallas.Tuning(rows_factor=F); Tunings.prefill_attention_impl "
+                "A: ref | pallas; prefill_precision P: auto | f32 | bf16)")
 args = ap.parse_args(argv)
 
 from bench import cells as bench
 from decode import engine  # noqa: E402
-from ops import attention, moe_grouped_pallas, qgemm_pallas  # noqa: E402
+from model.options import Options  # noqa: E402
+from ops import moe_grouped_pallas, qgemm_pallas  # noqa: E402
 from ops.qtensor import with_kernels  # noqa: E402
+from ops.tuning import Tunings  # noqa: E402
+
+
+def variant_options(variant: str) -> Options:
+  """The model Options of one --variants entry (argparse error on an unknown key or value)."""
+  kv = dict(p.split("=", 1) for p in variant.split(",") if "=" in p)
+  if set(kv) - {"dense", "factor", "attn", "precision"} or kv.get("attn", "pallas") not in ("ref", "pallas") \
+      or kv.get("precision", "auto") not in ("auto", "f32", "bf16"):
+    ap.error(f"--variants {variant!r}: expected dense=M,factor=F,attn=ref|pallas,precision=auto|f32|bf16")
+  t = Tunings(qgemm=qgemm_pallas.Tuning(rows=int(kv["dense"])) if "dense" in kv else None,
+              grouped=moe_grouped_pallas.Tuning(rows_factor=int(kv["factor"])) if "factor" in kv else None,
+              prefill_attention_impl=kv.get("attn"))
+  return Options(prefill_precision=kv.get("precision", "auto"), tunings=t)
+
 
 model = bench._in_memory_model(args.preset, args.experts)
 model.params = with_kernels(model.params, "pallas" if jax.default_backend() != "cpu" else "interpret")
 prompt = [(7 * (i + 1)) % model.cfg.vocab_size for i in range(args.tokens)]
-DEFAULTS = (qgemm_pallas.DENSE_ROWS, moe_grouped_pallas.ROWS_FACTOR, attention.PREFILL_GPU_IMPL, qgemm_pallas.GEMM_FORM,
-            moe_grouped_pallas.COMBINE, moe_grouped_pallas.GATHER_X)
-for variant in args.variants.split(";"):
-  kv = dict(p.split("=") for p in variant.split(",") if "=" in p)
-  qgemm_pallas.DENSE_ROWS = int(kv.get("dense", DEFAULTS[0]))
-  moe_grouped_pallas.ROWS_FACTOR = int(kv.get("factor", DEFAULTS[1]))
-  attention.PREFILL_GPU_IMPL = kv.get("attn", DEFAULTS[2])
-  qgemm_pallas.GEMM_FORM = kv.get("gemm", DEFAULTS[3])
-  moe_grouped_pallas.COMBINE = kv.get("combine", DEFAULTS[4])
-  moe_grouped_pallas.GATHER_X = kv.get("gatherx", DEFAULTS[5])
-  if moe_grouped_pallas.GATHER_X not in ("kernel", "xla"):
-    ap.error(f"--variants {variant!r}: gatherx={moe_grouped_pallas.GATHER_X}, expected kernel or xla")
-  if moe_grouped_pallas.COMBINE not in ("gather", "scatter"):
-    ap.error(f"--variants {variant!r}: combine={moe_grouped_pallas.COMBINE}, expected gather or scatter")
-  if qgemm_pallas.GEMM_FORM not in (None, *qgemm_pallas.GEMM_FORMS):
-    ap.error(f"--variants {variant!r}: gemm={qgemm_pallas.GEMM_FORM}, expected one of {', '.join(qgemm_pallas.GEMM_FORMS)}")
-  jax.clear_caches()                     # the settings are read at trace time
+variants = [(v, variant_options(v)) for v in args.variants.split(";")]
+for variant, opts in variants:
   for c in (int(v) for v in args.chunks.split(",")):
-    gen = engine.GenConfig(max_new_tokens=1, kv="int8", kv_resident=4096, prefill_chunk=c)
+    gen = engine.GenConfig(max_new_tokens=1, kv="int8", kv_resident=4096, prefill_chunk=c, options=opts)
     t = time.perf_counter()
     jax.block_until_ready(engine.start_request(model, prompt, gen).logits)
     first = time.perf_counter() - t
@@ -73,7 +72,8 @@ for variant in args.variants.split(";"):
       state = engine.init_state(model, engine.ring_capacity(args.tokens + 1, gen.kv_resident), gen)
       jax.block_until_ready(state)
       t = time.perf_counter()
-      jax.block_until_ready(engine.prefill_chunked(model.params, prompt, state, model.cfg, c, engine.prefill_tail(c))[0])
+      jax.block_until_ready(engine.prefill_chunked(model.params, prompt, state, model.cfg, c, engine.prefill_tail(c),
+                                                   opts)[0])
       calls.append(time.perf_counter() - t)
     call = 1e3 * sorted(calls)[len(calls) // 2]
     print(f"prefill {variant} chunk {c}: {ms:.1f} ms ({args.tokens / ms * 1e3:.0f} tok/s), first run {first:.1f} s; "

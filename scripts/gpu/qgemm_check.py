@@ -18,10 +18,11 @@ from timing import median_ms, rel_l2 as rel
 ap = argparse.ArgumentParser()
 ap.add_argument("--types", default=",".join(qgemm_pallas.PIECES))
 ap.add_argument("--iters", type=int, default=20)
-ap.add_argument("--tiles", default="", help="extra qgemm overrides to time, e.g. 'BN=128,S=4;BN=32'")
-ap.add_argument("--forms", default="presplit", help="ops.qgemm_pallas.GEMM_FORM values to check and time, "
-                "interleaved per type ('presplit,v1,presplit,v1': the A/B in one process)")
-ap.add_argument("--sweep", default=None, help="tile sweep in the GPU's default form, interleaved with the default "
+ap.add_argument("--tiles", default="", help="extra qgemm tunings to time (ops.qgemm_pallas.Tuning fields), e.g. "
+                "'BN=128,S=4;BN=32'")
+ap.add_argument("--precisions", default="auto", help="prefill precisions to check and time, interleaved per type "
+                "('f32,bf16,f32,bf16': the A/B in one process; auto: bf16 on a GPU)")
+ap.add_argument("--sweep", default=None, help="tile sweep at the GPU's default precision, interleaved with the default "
                 "(timed first and last): ';'-separated specs for the expert layer of each of --types that has experts "
                 "(IQ3_S, Q4_K) and the dense projection of the others: 'BN=128,S=8' (both expert GEMMs / the dense "
                 "one), 'g.S=8' or 'd.BN=32' (gate/up or down only), 'rows=64' (rows per expert tile), 'M=128' (dense)")
@@ -43,13 +44,13 @@ def qt(qtype, shape):
 
 ref_mm = jax.jit(lambda x, w: jnp.einsum("tk,nk->tn", x, w.dense(jnp.float32), precision="highest"))
 
-forms = args.forms.split(",")
-if not set(forms) <= set(qgemm_pallas.GEMM_FORMS):
-  ap.error(f"--forms {args.forms}: expected a list of {', '.join(qgemm_pallas.GEMM_FORMS)}")
+precisions = args.precisions.split(",")
+if not set(precisions) <= {"auto", "f32", "bf16"}:
+  ap.error(f"--precisions {args.precisions}: expected a list of auto, f32, bf16")
 
 
 def _spec(spec):
-  """'BN=128,g.S=8,rows=64' -> ({"gateup": {...}, "down": {...}}, extra ints such as rows / M)."""
+  """'BN=128,g.S=8,rows=64,M=128' -> (ops.moe_grouped_pallas.Tuning, ops.qgemm_pallas.Tuning of the dense GEMM)."""
   ov, extra = {"gateup": {}, "down": {}}, {}
   for kv in filter(None, spec.split(",")):
     k, v = kv.split("=")
@@ -59,7 +60,9 @@ def _spec(spec):
       for part, pre in (("gateup", "g."), ("down", "d.")):
         if "." not in k or k.startswith(pre):
           ov[part][k.split(".")[-1]] = int(v)
-  return ov, extra
+  grouped = moe_grouped_pallas.Tuning(gateup=qgemm_pallas.Tuning(**ov["gateup"]),
+                                      down=qgemm_pallas.Tuning(**ov["down"]), rows=extra.get("rows"))
+  return grouped, qgemm_pallas.Tuning(**ov["gateup"], rows=extra.get("M"))
 
 
 if args.sweep is not None:   # tiles against the default, one process: dense N=5120 K=2048 / one 30B expert layer
@@ -78,23 +81,21 @@ if args.sweep is not None:   # tiles against the default, one process: dense N=5
       w = qt(qtype, (5120 // SZ, D))
       r = ref_mm(x, w)
     for spec in specs:
-      ov, extra = _spec("" if spec == "default" else spec)
+      gt, dt = _spec("" if spec == "default" else spec)
       try:
         if expert:
-          f = jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP, overrides=ov,
-                                        rows=extra.get("rows")))
+          f = jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP, tuning=gt))
           a = (x, ids, wt, g, u, d)
         else:
-          f = jax.jit(functools.partial(qgemm_pallas.qgemm_pallas, overrides=ov["gateup"], interpret=INTERP,
-                                        **({"M": extra["M"]} if "M" in extra else {})))
+          f = jax.jit(functools.partial(qgemm_pallas.qgemm_pallas, tuning=dt, interpret=INTERP))
           a = (x, w)
         e = rel(f(*a), r)
-        print(f"sweep {qgemm_pallas.gemm_form()} {qtype} {'expert layer' if expert else 'dense N=5120 K=2048'} T={T} "
+        print(f"sweep {qgemm_pallas.form()} {qtype} {'expert layer' if expert else 'dense N=5120 K=2048'} T={T} "
               f"{spec}: {timeit(f, *a):.3f} ms (rel L2 {e:.2e})", flush=True)
       except Exception as ex:  # a tile the compiler refuses (registers, shared memory): say so, go on
         print(f"sweep {qtype} {spec}: failed: {str(ex).splitlines()[0][:200]}", flush=True)
   raise SystemExit(0)
-if len(forms) > 1:    # the kernel forms A/B alone: dense projection and one 30B expert layer at T = 1,024, interleaved
+if len(precisions) > 1:    # the precisions A/B alone: dense projection and one 30B expert layer at T = 1,024, interleaved
   E, F, D, K, T = 128 // SZ, 768, 2048, 8, 1024 // SZ
   for qtype in args.types.split(","):
     w = qt(qtype, (5120 // SZ, 2048))
@@ -104,13 +105,11 @@ if len(forms) > 1:    # the kernel forms A/B alone: dense projection and one 30B
     wt = jnp.asarray(rng.random((T, K)), jnp.float32)
     with jax.default_matmul_precision("highest"):
       r = jax.jit(moe_ops.moe_ref)(x, ids, wt, g, u, d)
-    for form in forms:
-      qgemm_pallas.GEMM_FORM = form
-      jax.clear_caches()                 # read at trace time
-      f = jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, interpret=INTERP))
-      fm = jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP))
+    for p in precisions:
+      f = jax.jit(functools.partial(qgemm_pallas.qgemm_pallas, interpret=INTERP, precision=p))
+      fm = jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP, precision=p))
       e1, e2 = rel(f(x, w), ref_mm(x, w)), rel(fm(x, ids, wt, g, u, d), r)
-      print(f"form {form} {qtype}: dense N=5120 K=2048 T={T} {timeit(f, x, w):.3f} ms (rel L2 {e1:.2e}); "
+      print(f"precision {p} ({qgemm_pallas.form(p)}) {qtype}: dense N=5120 K=2048 T={T} {timeit(f, x, w):.3f} ms (rel L2 {e1:.2e}); "
             f"expert layer {timeit(fm, x, ids, wt, g, u, d):.3f} ms (rel L2 {e2:.2e})", flush=True)
   raise SystemExit(0)
 for qtype in args.types.split(","):
@@ -126,11 +125,12 @@ for qtype in args.types.split(","):
   print(f"time qgemm {qtype} T=1024 N=5120 K=2048: pallas {t_k:.3f} ms, xla dequant+dot highest {t_r:.3f} ms, "
         f"xla default {t_d:.3f} ms ({2 * 1024 * 5120 * 2048 / t_k / 1e9:.0f} TFLOP/s)", flush=True)
   for M in (128, 256):
-    t = timeit(jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, M=M, interpret=INTERP)), x, w)
+    t = timeit(jax.jit(functools.partial(qgemm_pallas.qgemm_pallas, tuning=qgemm_pallas.Tuning(rows=M),
+                                         interpret=INTERP)), x, w)
     print(f"time qgemm {qtype} T=1024 M={M}: {t:.3f} ms", flush=True)
   for spec in filter(None, args.tiles.split(";")):
-    ov = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
-    t = timeit(jax.jit(lambda x, w: qgemm_pallas.qgemm_pallas(x, w, overrides=ov, interpret=INTERP)), x, w)
+    ov = qgemm_pallas.Tuning(**{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
+    t = timeit(jax.jit(functools.partial(qgemm_pallas.qgemm_pallas, tuning=ov, interpret=INTERP)), x, w)
     print(f"time qgemm {qtype} T=1024 tiles {ov}: {t:.3f} ms", flush=True)
 
 # one Qwen3-30B-A3B expert layer (E 128, top-8, D 2048, F 768), T = 1024 tokens
@@ -147,8 +147,8 @@ for gq in [q for q in ("IQ3_S", "Q4_K") if q in args.types.split(",")]:
     print(f"check moe_grouped {gq} T={T}: rel L2 {rel(y, r):.2e}", flush=True)
     t_g = timeit(jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP)), x, ids, wt, g, u, d)
     for rows in (64, 128):
-      t = timeit(jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP, rows=rows)),
-                 x, ids, wt, g, u, d)
+      t = timeit(jax.jit(functools.partial(moe_grouped_pallas.moe_grouped_pallas, interpret=INTERP,
+                                           tuning=moe_grouped_pallas.Tuning(rows=rows))), x, ids, wt, g, u, d)
       print(f"time moe {gq} T={T}: grouped rows={rows} {t:.3f} ms", flush=True)
     x8, i8, w8 = x[:8], ids[:8], wt[:8]
     t_8 = timeit(jax.jit(functools.partial(moe_pallas.moe_pallas, interpret=INTERP)), x8, i8, w8, g, u, d)

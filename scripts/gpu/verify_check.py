@@ -32,6 +32,8 @@ from configs.presets import preset  # noqa: E402
 from bench.cells import _in_memory_model  # noqa: E402  (flags are defined on import; not parsed here)
 from decode.engine import generate  # noqa: E402
 from decode.speculative import speculative_generate  # noqa: E402
+from model.options import Options  # noqa: E402
+from ops.tuning import Tunings  # noqa: E402
 
 if "--attention_only" in sys.argv:
   sys.exit(0)
@@ -39,12 +41,11 @@ name = sys.argv[1] if len(sys.argv) > 1 else "tiny-glm4moe"
 m = _in_memory_model(name, "IQ3_S")
 prompt = [int(t) for t in rng.integers(0, 1000, 64)]
 for impl in ("ref", "pallas"):
-  attention.DEFAULT_GPU_IMPL = impl
-  jax.clear_caches()
+  opts = Options(tunings=Tunings(attention_impl=impl))         # decode and verify attention: reference or kernel
   t0 = time.time()
-  base = generate(m, prompt, max_new_tokens=24, stop_at_eos=False, kv="bf16")
+  base = generate(m, prompt, max_new_tokens=24, stop_at_eos=False, kv="bf16", options=opts)
   r = speculative_generate(m, prompt, drafter="replay", k=3, max_new_tokens=24, stop_at_eos=False, kv="bf16",
-                           replay_ids=base.ids)
+                           replay_ids=base.ids, options=opts)
   print(f"{name} attention={impl}: replay equal={r.ids == base.ids} accepted {r.stats['drafts_accepted']} of "
         f"{r.stats['drafts_proposed']} ({time.time() - t0:.0f} s)", flush=True)
   if r.ids != base.ids:

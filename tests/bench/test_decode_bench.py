@@ -242,29 +242,48 @@ def test_replay_without_a_plain_arm_compares_with_its_own_plain_requests():
   assert bench._speedups(recs, arms, arms[0]) == "2.73x (its plain requests) (model 2.67x)"   # 300 / 110
 
 
-def test_bench_step_glue_override_switches_the_down_kernel_topk_sum():
-  """`bench.step --glue on,on/ksum=1` A/Bs the MoE down kernel's in-kernel top-k sum in one process (and
-  grid16=1 the IQ3_S grid table's form): the override reaches the choice the kernels read at trace time, plain "on" restores the default, and a bad value
-  is a usage error. (Its own process: bench_step and bench define the same absl flags.)"""
+def test_bench_step_cells_pass_their_choices_as_options():
+  """`bench.step --glue` and a cell's attention field become model Options (no module global is set): the
+  overrides land in the Tunings the kernels take, retired and malformed values are one-line usage errors, and a
+  decode step of a tiny model run under a variant's Options (glue kernels and the decode attention kernel in
+  interpret mode, tuned) gives the logits of the plain XLA path. (Its own process: bench.step and bench.cells
+  define the same absl flags.)"""
   code = """
+import jax, jax.numpy as jnp, numpy as np
 from absl import app
-from bench import step as bench_step
-from ops import moe_pallas
-down = lambda: dict(moe_pallas._cfg("down", "Q4_K", 2048, 3, None))["KSUM"]
-default = down()
-bench_step._glue_tilings("on/ksum=1"); assert down() is True
-bench_step._glue_tilings("on/ksum=0"); assert down() is False
-bench_step._glue_tilings("on"); assert down() is default
-from ops import qmatmul_pallas
-g16 = qmatmul_pallas.IQ3S_GRID16
-bench_step._glue_tilings("on/grid16=1"); assert qmatmul_pallas.IQ3S_GRID16 is True
-bench_step._glue_tilings("on/grid16=0"); assert qmatmul_pallas.IQ3S_GRID16 is False
-bench_step._glue_tilings("on"); assert qmatmul_pallas.IQ3S_GRID16 is g16
-try:
-  bench_step._glue_tilings("on/ksum=2"); raise SystemExit("ksum=2 accepted")
-except app.UsageError as e:
-  assert "ksum=0|1" in str(e), e
-print("ok", default)
+from bench import step
+from configs.presets import preset
+from model import api
+from model.api import fuse_qkv
+from model.kv_ring import KVRing
+from model.writer import quant_policy, random_params
+from ops import attention_pallas
+from ops.qtensor import with_kernels
+on, t = step.glue_options("on/rope=1/router=64:2048:8:1/xnat=Q4_K:4")
+assert on and t.rope_write.q_programs == 1 and t.router.programs == 64 and t.router.route_warps == 1
+assert t.pick("qmatmul", "Q4_K").natural_b == 4 and t.pick("qmatmul", "Q8_0").natural_b == 0
+assert t.pick("moe", "Q4_K").down.natural_b == 4 and t.pick("moe", "IQ3_S").gateup.natural_b == 0
+o = step.cell_options("on", "bf16x2/16/4/1", True)
+assert o.tunings.attention_impl == "pallas"
+assert o.tunings.attention == attention_pallas.Tuning(bk=16, num_warps=4, num_stages=1, dots="bf16x2")
+assert step.cell_options("on", "auto", True, "tf32x3").tunings.attention == attention_pallas.Tuning(dots="tf32x3")
+assert step.cell_options("off", "ref", False).glue is False and hash(o) == hash(step.cell_options("on", "bf16x2/16/4/1", True))
+for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on/xnat=Q9_9:4"):
+  try:
+    step.glue_options(bad); raise SystemExit(bad + " accepted")
+  except app.UsageError as e:
+    assert "expected on, off" in str(e), e
+cfg = preset("tiny-qwen3moe")
+params = fuse_qkv(random_params(cfg, types=quant_policy("Q4_K", "Q8_0")))
+ring = lambda: step.fill_ring(KVRing.create(cfg.n_layers, 256, cfg.n_kv_heads, cfg.head_dim, "int8", block=32), 40)
+opts = step.cell_options("on/rope=1/xnat=Q4_K:4+Q8_0:4", "bf16x2/16/4/1", True)
+opts = opts.replace(tunings=opts.tunings.replace(attention_impl="interpret"))
+run = lambda p, o: np.asarray(api.decode_step(p, jnp.int32(7), api.ModelState(ring()), cfg=cfg, options=o)[0])
+got = run(with_kernels(params, "interpret"), opts)
+with jax.default_matmul_precision("highest"):
+  ref = run(with_kernels(params, "xla"), step.cell_options("off", "ref", True))
+assert got.argmax() == ref.argmax() and np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-4, np.linalg.norm(got - ref)
+print("ok")
 """
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0 and r.stdout.startswith("ok False"), r.stderr[-2000:]
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
