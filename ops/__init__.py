@@ -3,7 +3,8 @@ decode (Pallas Triton FMA kernels, with a stacked-layer entry) and for prefill (
 dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), attention over the KV ring (decode: `attention_pallas`;
 prefill: `prefill_attention_pallas`, the GPU default since it was measured), RoPE, RMSNorm, the per-token glue
 kernels of decode and verify passes (`rmsnorm_pallas`, `router_pallas`, `rope_write_pallas`: batch-invariant
-norms, routing and ring writes), and the kernel benchmarks (`bench`, `bench_attention`)."""
+norms, routing and ring writes). Each kernel's tuning is a static argument over its table (`ops/tuning.py`); the
+kernel benchmarks live in the top-level `bench/` package. ops/ imports nothing above it."""
 import jax
 
 

@@ -27,9 +27,8 @@ Tiling.
           exactly as in the step that decodes position q_pos_t alone). A tile wholly outside a row's window
           leaves that row's (m, l, acc) bitwise unchanged (masked scores give p = 0 and a correction of
           exp(0) = 1), so a row's result depends only on the tiles it sees: a verify pass's row t equals the step
-          at q_pos_t bitwise however the pass's live range differs from the step's (DESIGN invariant 3, and the
-          seed-mtp replay arms at 32K on the GPU, which accepted 0 of 255 drafts with the old contiguous split:
-          its split boundaries moved with the pass's first tile and tile count).
+          at q_pos_t bitwise however the pass's live range differs from the step's (DESIGN invariant 3; a split
+          into contiguous runs of tiles would move its boundaries with the pass's first tile and tile count).
   loads   per tile: K, V [bk, Dh] of head h (strided by Hkv*Dh in the ring), converted to bf16 (float32 for
           tf32x3) in registers; int8 scales [bk] apply around the dots (never dequantized in memory).
   dots    q [P, Dh] x K^T [Dh, bk] and p [P, bk] x V [bk, Dh] on the tensor cores. Default (the table's,
@@ -401,9 +400,9 @@ def merge_splits(o, m, l, *, T: int, G: int, with_lse: bool = False, interpret: 
 
   A kernel rather than jnp reductions for batch invariance: XLA's reduction over the split axis picks its order
   from the whole shape, so a verify pass's rows would not be summed like a one-query step's; here a query's G rows
-  are merged by the same code, on blocks of the same shapes, for any T (DESIGN invariant 3). (A first version
-  looped over the splits one by one: 46 µs a call on the H200, latency-bound; now one pass over all splits.) It also writes the
-  [T, Hq, Dh] layout directly (no transpose kernel)."""
+  are merged by the same code, on blocks of the same shapes, for any T (DESIGN invariant 3). One pass over all
+  splits (a loop over them one by one is latency-bound: 46 µs a call on the H200). It also writes the [T, Hq, Dh]
+  layout directly (no transpose kernel)."""
   Hkv, S, P, Dh = o.shape
   DB = min(MERGE_DB, Dh)
   out_shape = [jax.ShapeDtypeStruct((T, Hkv * G, Dh), jnp.float32)]

@@ -10,8 +10,8 @@
 it: E/k times the FLOPs) is kept as a second reference. `moe` dispatches on the experts' `kernel` field:
 "pallas" / "interpret" run the fused Pallas kernels of ops/moe_pallas.py (gate+up+SiLU, then down with the
 router-weighted sum) for T <= 16 tokens and the grouped tensor-core GEMM of ops/moe_grouped_pallas.py (the
-tiles of `tile_layout`, 16-128 rows each) for more, when the types have kernels (gate and up of one type); the
-reference otherwise.
+tiles of `ops.moe_layout.tile_layout`, 16-128 rows each) for more, when the types have kernels (gate and up of one
+type); the reference otherwise.
 """
 from __future__ import annotations
 

@@ -132,21 +132,9 @@ GEMM_FORMS = ("presplit", "x1")
 PRECISIONS = {"f32": "presplit", "bf16": "x1"}     # precision -> form; "auto": the backend's
 
 
-_CLI_PRECISION = "auto"   # transitional, for decode/generate.py until it passes its precision (set_precision)
-
-
-def set_precision(precision: str) -> None:
-  """Transitional: the precision "auto" resolves to (decode/generate.py's --prefill_precision)."""
-  global _CLI_PRECISION
-  form(precision)
-  _CLI_PRECISION = precision
-
-
 def form(precision: str = "auto") -> str:
   """The GEMM form of a precision: "f32" -> "presplit", "bf16" -> "x1", "auto" -> "x1" on a GPU, "presplit"
   elsewhere."""
-  if precision == "auto" and _CLI_PRECISION != "auto":
-    precision = _CLI_PRECISION
   if precision == "auto":
     from ops import on_gpu
     return "x1" if on_gpu() else "presplit"
