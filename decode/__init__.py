@@ -1,7 +1,6 @@
 """decode/: everything around the model's pure step functions.
 
-The KV ring (`kv_ring`) and its host tier (`host_tier`), the memory plan (`kv_plan`), the expert cache
-(`expert_cache`), samplers, drafters (MTP, lookup, replay), verification and the round loop (`speculative`), the
-bytes-per-round model (`round_model`), the engine (requests, per-request ring size) and the absl CLIs `generate`,
-`bench` (arms x seeds cells) and `bench_step` (decode step time against ring capacity and depth).
+The memory plan (`kv_plan`), samplers (`sampling`), drafters (MTP, lookup, replay: `drafters`), verification and
+the round loop (`speculative`), the engine (requests, per-request ring size, the plain decode loop: `engine`) and
+the absl CLI `generate`. The state the steps carry (ring, host tier, expert cache) is the model's (model/state.py).
 """

@@ -148,17 +148,26 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
     raise ValueError(f"drafter {drafter!r}")
   valid = d >= 0
   d = jnp.where(valid, d, 0)
-  # verify: the target on [t_P, d_1 .. d_k] at positions P .. P + k
-  verify = lambda m: api.forward(params, jnp.concatenate([tok[None], d]), m, cfg=cfg, options=options)  # noqa: E731
+  # verify: the target on [t_P, d_1 .. d_k] at positions P .. P + k; a hybrid model's DeltaNet layers keep their
+  # state after each of these tokens, so that the round leaves the state after its accepted prefix
+  keep = model.recurrent is not None
+
+  def verify(m):
+    return api.forward(params, jnp.concatenate([tok[None], d]), m, cfg=cfg, options=options, keep_states=True)
+
+  def rows(x):
+    return jnp.broadcast_to(x, (k + 1,) + x.shape[1:])
+
   if drafter == "mtp":
-    logits, hidden, model = verify(model)
+    logits, hidden, model, kept = verify(model)
   else:
     # a deterministic drafter may have nothing to propose (lookup without a match, replay past its end): then
     # the round is one plain step (T = 1), its outputs repeated to the round's shapes (only row 0 is read)
     def step(m):
-      lg, h, m = api.forward(params, tok[None], m, cfg=cfg, options=options)
-      return jnp.broadcast_to(lg, (k + 1,) + lg.shape[1:]), jnp.broadcast_to(h, (k + 1,) + h.shape[1:]), m
-    logits, hidden, model = jax.lax.cond(valid[0], verify, step, model)
+      lg, h, m, kp = api.forward(params, tok[None], m, cfg=cfg, options=options, keep_states=True)
+      kp = None if kp is None else tuple(c.replace(conv_T=rows(c.conv_T), delta_T=rows(c.delta_T)) for c in kp)
+      return rows(lg), rows(h), m, kp
+    logits, hidden, model, kept = jax.lax.cond(valid[0], verify, step, model)
   if temperature == 0.0:
     n_acc, nxt = verify_greedy(logits, d, valid)
   else:
@@ -174,6 +183,8 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
   count = jnp.where(hit, jnp.argmax(is_eos) + 1, count)
   hist = jax.lax.dynamic_update_slice(s.hist, em, (s.n_hist,))
   model = model.replace(ring=model.ring.rewind(P + n_acc + 1))
+  if keep:
+    model = api.select_recurrent(model, kept, n_acc)
   return SpecState(
       model=model, hist=hist, n_hist=s.n_hist + count, n_prompt=s.n_prompt,
       pend_h=hidden.astype(s.pend_h.dtype), pend_t=em, n_pend=n_acc + 1, key=key, done=s.done | hit,

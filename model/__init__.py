@@ -1,7 +1,10 @@
-"""model/: what a model is, read from a GGUF file.
+"""model/: what a model is, read from a GGUF file, and the state its pure steps carry.
 
-`config.ModelConfig` (frozen, hashable), `gguf_io` (reading and validating GGUF files into a params pytree of
-dense arrays and packed `QTensor`s), `tokenizer` (GGUF byte-level BPE), `transformer` (Flax Linen modules:
-attention, MoE, dense MLP, block, decoder, NextN block), `api` (pure jitted prefill / decode_step / mtp_step),
-`checkpoint` (orbax cache of the loaded params), `writer` (random tiny and full-size synthetic GGUF files).
+`config.ModelConfig` (what the model is: frozen, hashable) and `options.Options` (how it runs: glue kernels, the
+idle-tier skip, prefill precision, kernel tuning), `gguf_io` (reading and validating GGUF files into a params
+pytree of dense arrays and packed `QTensor`s), `tokenizer` (GGUF byte-level BPE), `transformer` (Flax Linen
+modules: attention, MoE, dense MLP, block, decoder, NextN block; a block takes its layer's state and returns it),
+`api` (pure jitted prefill / decode_step / mtp_step), `state` (`ModelState`: the K/V ring of `kv_ring`, the host
+tier of `host_tier`, the expert cache of `expert_cache`), `checkpoint` (orbax cache of the loaded params),
+`loader`, `writer` (random tiny and full-size synthetic GGUF files).
 """

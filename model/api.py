@@ -65,8 +65,12 @@ def _block(ring: KVRing, attn_block: int) -> int:
 
 
 def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, options: Options = DEFAULT,
-            last_only: bool = False, attn_block: int = ATTN_BLOCK):
+            last_only: bool = False, attn_block: int = ATTN_BLOCK, keep_states: bool = False):
   """Run the trunk on T new tokens at positions ring.length + [0, T): (logits, hidden, state).
+
+  keep_states (a verify pass of a hybrid model): also return the DeltaNet layers' states after each of the T
+  tokens, a tuple of model.recurrent.RecurrentLayer (conv_T, delta_T), as a fourth result; `select_recurrent`
+  then keeps those after the accepted prefix. A ring masks rejected positions; a recurrent state cannot.
 
   With a host tier, positions leaving the ring's window move to the tier before any layer writes, and each
   layer's attention merges the ring's part with the tier's. With options.skip_idle_tier a pass in which no
@@ -77,27 +81,40 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, options: O
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   block = _block(ring, attn_block)
 
-  def trunk(ring, experts, tier):
+  def trunk(ring, experts, rec, tier):
     with jax.default_matmul_precision(MATMUL_PRECISION):
-      return Decoder(cfg, options).apply({"params": trunk_params(params)}, tokens_T, pos, ring, block, last_only,
-                                         experts, tier)
+      return Decoder(cfg, options, keep_states).apply({"params": trunk_params(params)}, tokens_T, pos, ring, block,
+                                                      last_only, experts, tier, rec)
 
-  def with_tier(ring, experts, tier):
+  def with_tier(ring, experts, rec, tier):
     tier, ring = host_tier.evict_leaving(tier, ring, pos)
-    return (*trunk(ring, experts, tier), tier)
+    return (*trunk(ring, experts, rec, tier), tier)
 
-  def ring_only(ring, experts, tier):
-    return (*trunk(ring, experts, None), tier)
+  def ring_only(ring, experts, rec, tier):
+    return (*trunk(ring, experts, rec, None), tier)
 
   if state.host is None:
-    logits, hidden, ring, experts = trunk(ring, state.experts, None)
+    logits, hidden, ring, experts, rec = trunk(ring, state.experts, state.recurrent, None)
     host = None
   elif options.skip_idle_tier:
-    logits, hidden, ring, experts, host = jax.lax.cond(pos[-1] >= ring.window, with_tier, ring_only, ring,
-                                                       state.experts, state.host)
+    logits, hidden, ring, experts, rec, host = jax.lax.cond(pos[-1] >= ring.window, with_tier, ring_only, ring,
+                                                            state.experts, state.recurrent, state.host)
   else:
-    logits, hidden, ring, experts, host = with_tier(ring, state.experts, state.host)
-  return logits, hidden, state.replace(ring=ring.advance(tokens_T.shape[0]), experts=experts, host=host)
+    logits, hidden, ring, experts, rec, host = with_tier(ring, state.experts, state.recurrent, state.host)
+  kept = None
+  if keep_states and state.recurrent is not None:
+    kept, rec = rec, state.recurrent.replace(conv=tuple(c.conv for c in rec), delta=tuple(c.delta for c in rec))
+  state = state.replace(ring=ring.advance(tokens_T.shape[0]), experts=experts, host=host, recurrent=rec)
+  return (logits, hidden, state, kept) if keep_states else (logits, hidden, state)
+
+
+def select_recurrent(state: ModelState, kept, t) -> ModelState:
+  """The state with its recurrent part taken after token t (traced) of the pass that kept per-token states
+  (`forward(..., keep_states=True)`): a speculative round keeps the state after its accepted prefix."""
+  if kept is None:
+    return state
+  return state.replace(recurrent=state.recurrent.replace(conv=tuple(c.conv_T[t] for c in kept),
+                                                         delta=tuple(c.delta_T[t] for c in kept)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "options", "last_only", "attn_block"),

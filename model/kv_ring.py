@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ops.kv_write import STORE as _STORE, write_rows
+
 KV_DTYPES = ("f32", "bf16", "int8")
-_STORE = {"f32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
 
 
 def _set(t: tuple, i: int, a) -> tuple:
@@ -98,7 +99,7 @@ class KVRing:
 
   def write(self, layer: int, pos_T: jax.Array, k_THkvDh: jax.Array, v_THkvDh: jax.Array) -> "KVRing":
     """Store T new rows of one layer at positions pos_T (slots pos mod R). Does not advance `length`."""
-    return self.with_layer(layer, write_rows(self.layer(layer), pos_T % self.capacity, k_THkvDh, v_THkvDh,
+    return self.with_layer(layer, write_rows(*self.layer(layer), pos_T % self.capacity, k_THkvDh, v_THkvDh,
                                              self.dtype))
 
   def grow(self, capacity: int) -> "KVRing":
@@ -154,23 +155,4 @@ class KVLayer:
 
   def write(self, pos_T: jax.Array, k_THkvDh: jax.Array, v_THkvDh: jax.Array) -> "KVLayer":
     """Store T new rows at positions pos_T (slots pos mod R)."""
-    return self.with_arrays(write_rows(self.arrays, pos_T % self.capacity, k_THkvDh, v_THkvDh, self.dtype))
-
-
-def write_rows(arrays, slots_T, k_THkvDh, v_THkvDh, dtype: str):
-  """(k, v, k_scale, v_scale) with T rows written at `slots_T` (int8: quantized with an absmax per row)."""
-  k, v, ks, vs = arrays
-  if dtype == "int8":
-    kq, kss = quantize_int8(k_THkvDh)
-    vq, vss = quantize_int8(v_THkvDh)
-    return k.at[slots_T].set(kq), v.at[slots_T].set(vq), ks.at[slots_T].set(kss), vs.at[slots_T].set(vss)
-  dt = _STORE[dtype]
-  return k.at[slots_T].set(k_THkvDh.astype(dt)), v.at[slots_T].set(v_THkvDh.astype(dt)), ks, vs
-
-
-def quantize_int8(x_THkvDh: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Absmax per (token, head): q = round(x / s), s = max|x| / 127."""
-  x = x_THkvDh.astype(jnp.float32)
-  s = jnp.max(jnp.abs(x), axis=-1) / 127.0
-  q = jnp.round(x / jnp.where(s > 0, s, 1.0)[..., None])
-  return jnp.clip(q, -127, 127).astype(jnp.int8), s
+    return self.with_arrays(write_rows(*self.arrays, pos_T % self.capacity, k_THkvDh, v_THkvDh, self.dtype))

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from model import expert_cache as xc
+from model.common import _init, _ones, _op, _param, _zeros, kernel_mode
+from model.deltanet import GatedDeltaNet
 from model.config import ModelConfig
 from model.host_tier import tier_block
 from model.kv_ring import KVLayer
@@ -33,24 +35,14 @@ from ops import rope_write_pallas, router_pallas
 from ops.rmsnorm_pallas import add_rms_norm
 from ops.layers import linear, rms_norm, rope_neox, swiglu
 from ops.qtensor import QTensor
+from ops.tuning import pick
 
-_init = nn.initializers.normal(0.02)
-_ones = nn.initializers.ones
-_zeros = nn.initializers.zeros
-
-
-def _param(m: nn.Module, name: str, init, shape):
-  """m.param, but a loaded param (possibly a packed QTensor, whose leaf is its byte array) is taken as is:
-  the loader already checked its logical shape against the GGUF file."""
-  if m.has_variable("params", name):
-    return m.get_variable("params", name)
-  return m.param(name, init, shape)
-
-
-def _op(opts: Options, name: str, own):
-  """The model's layer function `own`, or the caller's stand-in for it (opts.layer_ops)."""
-  alt = getattr(opts.layer_ops, name) if opts.layer_ops is not None else None
-  return alt or own
+def _rope(x_THDh, pos_T, c: ModelConfig):
+  """RoPE in the model's mode: NEOX over the first rope_dim dims, or llama.cpp's IMROPE on text positions (qwen35moe):
+  the same NEOX pairs, with the pairs ModelConfig.rope_text_pairs leaves out not rotated."""
+  if c.rope_mode == "neox":
+    return rope_neox(x_THDh, pos_T, c.rope_dim, c.rope_theta)
+  return rope_neox(x_THDh, pos_T, c.rope_dim, c.rope_theta, pairs=c.rope_text_pairs)
 
 
 def _causal_attention(q_THDh, k_THkvDh, v_THkvDh, scale):
@@ -84,9 +76,10 @@ class Attention(nn.Module):
       kn = _param(self, "k_norm", _ones, (Dh,)) if c.qk_norm else None
       q, arrays = rope_write_pallas.rope_write(
           qkv, qn, kn, pos_T, cache.arrays, impl=glue, n_heads=H, n_kv_heads=Hkv, head_dim=Dh,
-          rope_dim=c.rope_dim, theta=c.rope_theta, offset=self.rope_offset, eps=c.rms_eps)
+          rope_dim=c.rope_dim, theta=c.rope_theta, offset=self.rope_offset, eps=c.rms_eps,
+          tuning=pick(self.opts.tunings, "rope_write"))
       cache = cache.with_arrays(arrays)
-      return cache, self._attend(q, pos_T, cache, attn_block, wo)
+      return cache, self._attend(x_TD, q, pos_T, cache, attn_block, wo)
     if self.has_variable("params", "wqkv"):          # fused at load (model.api.fuse_qkv): one matmul, one launch
       q, k, v = jnp.split(self._fused_qkv(x_TD), [H * Dh, (H + Hkv) * Dh], axis=-1)
     else:
@@ -101,13 +94,13 @@ class Attention(nn.Module):
     if c.qk_norm:
       q = rms_norm(q, _param(self, "q_norm", _ones, (Dh,)), c.rms_eps)
       k = rms_norm(k, _param(self, "k_norm", _ones, (Dh,)), c.rms_eps)
-    q = rope_neox(q, pos_T + self.rope_offset, c.rope_dim, c.rope_theta)
-    k = rope_neox(k, pos_T + self.rope_offset, c.rope_dim, c.rope_theta)
+    q = _rope(q, pos_T + self.rope_offset, c)
+    k = _rope(k, pos_T + self.rope_offset, c)
     if cache is None:
       o = _op(self.opts, "causal_attention", _causal_attention)(q, k, v.astype(jnp.float32), 1.0 / float(Dh) ** 0.5)
-      return None, self._linear(o.reshape(T, H * Dh), wo)
+      return None, self._out(x_TD, o.reshape(T, H * Dh), wo)
     cache = cache.write(pos_T, k, v)
-    return cache, self._attend(q, pos_T, cache, attn_block, wo)
+    return cache, self._attend(x_TD, q, pos_T, cache, attn_block, wo)
 
   def _linear(self, x, w, b=None):
     return _op(self.opts, "linear", linear)(x, w, b)
@@ -116,15 +109,25 @@ class Attention(nn.Module):
     return self._linear(x_TD, self.get_variable("params", "wqkv"),
                         self.get_variable("params", "bqkv") if self.cfg.qkv_bias else None)
 
-  def _attend(self, q_THDh, pos_T, cache: KVLayer, attn_block, wo):
+  def _out(self, x_TD, o_TN, wo):
+    """The output projection of the heads' outputs [T, H Dh], gated by sigmoid(x Wgate^T) first when the model's
+    attention is gated (attn_output_gate: the hybrid family)."""
+    if self.cfg.attn_output_gate:
+      c = self.cfg
+      gate = self._linear(x_TD, _param(self, "wgate", _init, (c.n_heads * c.head_dim, c.d_model)))
+      o_TN = o_TN * jax.nn.sigmoid(gate)
+    return self._linear(o_TN, wo)
+
+  def _attend(self, x_TD, q_THDh, pos_T, cache: KVLayer, attn_block, wo):
     """Attention of q [T, H, Dh] over the layer's ring (its new rows already written) and host tier, then the
     output projection."""
     T, H, Dh = q_THDh.shape
     scale = 1.0 / float(Dh) ** 0.5
+    tun = self.opts.tunings
     # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
     length = cache.length + T + cache.scratch
     if cache.tier is None:
-      o = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, length, block=attn_block, scale=scale)
+      o = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, length, block=attn_block, scale=scale, tunings=tun)
     else:
       # The ring's part (on the decode kernel where it takes the call, as without a tier) and the tier's, each
       # with its log-sum-exp. Decode and verify (T <= MAX_T): row t sees the ring from lo_t = pos_t + 1 - window
@@ -134,26 +137,21 @@ class Attention(nn.Module):
       if T <= attn_ops.attention_pallas.MAX_T:
         lo = jnp.maximum(pos_T + 1 - cache.window, cache.length + T - cache.capacity)
         o1, lse1 = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, cache.length + T, block=attn_block,
-                                           scale=scale, with_lse=True, lo_T=lo)
+                                           scale=scale, with_lse=True, lo_T=lo, tunings=tun)
         q_hi = lo - 1
       else:
         o1, lse1 = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, length, block=attn_block, scale=scale,
-                                           with_lse=True)
+                                           with_lse=True, tunings=tun)
         q_hi = jnp.minimum(pos_T, cache.length + T - cache.window - 1)
       o2, lse2 = attn_ops.tier_attention(q_THDh, *cache.tier, q_hi, tier_block=tier_block(cache.window, attn_block),
-                                         block=attn_block, scale=scale)
+                                         block=attn_block, scale=scale, tunings=tun)
       o = attn_ops.merge_lse(o1.reshape(T, H, Dh), lse1, o2.reshape(T, H, Dh), lse2)
-    return self._linear(o.reshape(T, H * Dh), wo)
+    return self._out(x_TD, o.reshape(T, H * Dh), wo)
 
 
 def glue_impl(tree, opts: Options = DEFAULT) -> str:
   """"pallas" | "interpret" when opts.glue and the first QTensor in `tree` runs that kernel mode, else "ref"."""
-  if not opts.glue:
-    return "ref"
-  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=lambda v: isinstance(v, QTensor)):
-    if isinstance(leaf, QTensor):
-      return leaf.kernel if leaf.kernel in ("pallas", "interpret") else "ref"
-  return "ref"
+  return kernel_mode(tree) if opts.glue else "ref"
 
 
 def _rope_write_impl(m: nn.Module, c: ModelConfig) -> str:
@@ -162,7 +160,8 @@ def _rope_write_impl(m: nn.Module, c: ModelConfig) -> str:
   if not m.has_variable("params", "wqkv"):
     return "ref"
   mode = glue_impl(m.get_variable("params", "wqkv"), m.opts)
-  if mode != "ref" and rope_write_pallas.supported(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim) is None:
+  if (mode != "ref" and c.rope_mode == "neox"
+      and rope_write_pallas.supported(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim) is None):
     return mode
   return "ref"
 
@@ -205,7 +204,7 @@ class MoE(nn.Module):
     lin, moe = _op(self.opts, "linear", linear), _op(self.opts, "moe", moe_ops.moe)
     ids_TX, w_TX = router_pallas.route(x_TD, router, bias, routing=c.routing, top_k=c.top_k, norm_topk=c.norm_topk,
                                        routed_scale=c.routed_scale, impl=self.glue,
-                                       logits_fn=lambda x: lin(x, router))
+                                       logits_fn=lambda x: lin(x, router), tuning=pick(self.opts.tunings, "router"))
     T, X = ids_TX.shape
     if experts is None or T * X > E:
       # The direct path reads every expert of the block (no cache, or a step routing more (token, expert) pairs
@@ -217,7 +216,7 @@ class MoE(nn.Module):
       gate, up, down = (xc.to_device(t) for t in (gate, up, down))
       y = moe(x_TD, ids_TX, w_TX, gate, up, down)
     else:
-      y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E)
+      y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe)
     if c.n_shared_experts or c.shared_expert_gate:
       Fs = c.d_ff_shared
       gs = _param(self, "gate_shexp", _init, (Fs, D))
@@ -231,7 +230,7 @@ class MoE(nn.Module):
     return y, experts
 
 
-def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts):
+def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, moe):
   """The routed experts through the expert cache: all of a step's experts at once when they fit the pool
   (bitwise the computation of the all-resident path), else token by token."""
   T, X = ids_TX.shape
@@ -239,14 +238,14 @@ def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts):
   if T * X <= S:
     slots, experts = xc.ensure(experts, block, ids_TX.reshape(-1), gate, up, down, n_experts)
     g, u, d = xc.pool_tensors(experts, block, gate, up, down)
-    return moe_ops.moe(x_TD, slots.reshape(T, X), w_TX, g, u, d), experts
+    return moe(x_TD, slots.reshape(T, X), w_TX, g, u, d), experts
 
   def tok(t, carry):
     y, ec = carry
     slots, ec = xc.ensure(ec, block, ids_TX[t], gate, up, down, n_experts)
     g, u, d = xc.pool_tensors(ec, block, gate, up, down)
     xt = jax.lax.dynamic_slice_in_dim(x_TD, t, 1)
-    yt = moe_ops.moe(xt, slots[None], jax.lax.dynamic_slice_in_dim(w_TX, t, 1), g, u, d)
+    yt = moe(xt, slots[None], jax.lax.dynamic_slice_in_dim(w_TX, t, 1), g, u, d)
     return jax.lax.dynamic_update_slice_in_dim(y, yt, t, 0), ec
 
   y0 = jnp.zeros(x_TD.shape, jnp.float32)
@@ -256,20 +255,29 @@ def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts):
 class Block(nn.Module):
   """Pre-norm decoder block: h = x + attn(norm(x)); out = h + ffn(norm(h)).
 
-  Takes its layer's state and returns it: (x_TD, pos_T, cache, experts) -> (cache, experts, x_TD)."""
+  Takes its layer's state and returns it: (x_TD, pos_T, cache, experts) -> (cache, experts, x_TD). The mixer is
+  attention over the layer's `KVLayer`, or in a hybrid model's recurrent layers the Gated DeltaNet over its
+  `RecurrentLayer` (with `keep`, the state after each token too)."""
   cfg: ModelConfig
-  index: int               # block index in the file (decides dense vs MoE)
+  index: int               # block index in the file (decides dense vs MoE, attention vs DeltaNet)
   opts: Options = DEFAULT
   rope_offset: int = 0
   attn_block: int = 256
+  keep: bool = False
 
   @nn.compact
-  def __call__(self, x_TD, pos_T, cache: KVLayer | None, experts=None):
+  def __call__(self, x_TD, pos_T, cache, experts=None):
     c, o = self.cfg, self.opts
-    glue = glue_impl(self.variables.get("params", {}).get("attn", {}), o)
-    h = add_rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps, impl=glue)
-    cache, a = Attention(c, o, self.rope_offset, name="attn")(h, pos_T, cache, self.attn_block)
-    x, h = add_rms_norm(x_TD, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=a, impl=glue)
+    recurrent = c.is_recurrent(self.index)
+    glue = glue_impl(self.variables.get("params", {}).get("gdn" if recurrent else "attn", {}), o)
+    nt = pick(o.tunings, "rmsnorm")
+    h = add_rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps, impl=glue, tuning=nt)
+    if recurrent:
+      cache, a = GatedDeltaNet(c, o, name="gdn")(h, cache, self.keep)
+    else:
+      cache, a = Attention(c, o, self.rope_offset, name="attn")(h, pos_T, cache, self.attn_block)
+    x, h = add_rms_norm(x_TD, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=a, impl=glue,
+                        tuning=nt)
     if c.is_moe_layer(self.index):
       y, experts = MoE(c, o, self.index, glue, name="ffn")(h, experts)
     else:
@@ -286,29 +294,42 @@ def _embed(table, tokens_T):
 class Decoder(nn.Module):
   """Trunk: embedding, blocks, output norm and head.
 
-  Returns (logits [T, V] (or [1, V] with last_only), hidden [T, D], ring, experts); the ring and the expert cache
-  come back updated (None stays None). With `tier` (a HostTier) each block's cache carries the tier's rows of its
-  layer. `hidden` is the final hidden state after output_norm, which is what the NextN block consumes.
+  Returns (logits [T, V] (or [1, V] with last_only), hidden [T, D], ring, experts, rec); the ring, the expert
+  cache and the recurrent state come back updated (None stays None). Attention layer i uses ring layer
+  cfg.ring_layer(i) (with `tier`, a HostTier, also the tier's rows of that layer), DeltaNet layer i recurrent layer
+  cfg.gdn_layer(i). With `keep` the DeltaNet layers also return their state after each token
+  (`RecurrentLayer.conv_T` / `delta_T`): `rec` is then the tuple of those layers. `hidden` is the final hidden
+  state after output_norm, which is what the NextN block consumes.
   """
   cfg: ModelConfig
   opts: Options = DEFAULT
+  keep: bool = False
 
   @nn.compact
   def __call__(self, tokens_T, pos_T, ring=None, attn_block: int = 256, last_only: bool = False, experts=None,
-               tier=None):
+               tier=None, rec=None):
     c = self.cfg
     embed = _param(self, "token_embd", _init, (c.vocab_size, c.d_model))
     x = _embed(embed, tokens_T)
+    kept = []
     for i in range(c.n_layers):
-      cache = None if ring is None else ring.cache(i, tier)
-      cache, experts, x = Block(c, i, self.opts, attn_block=attn_block, name=f"blk_{i}")(x, pos_T, cache, experts)
-      if ring is not None:
-        ring = ring.with_cache(i, cache)
+      blk = Block(c, i, self.opts, attn_block=attn_block, keep=self.keep, name=f"blk_{i}")
+      if c.is_recurrent(i):
+        j = c.gdn_layer(i)
+        cache, experts, x = blk(x, pos_T, None if rec is None else rec.cache(j), experts)
+        kept.append(cache)
+        if rec is not None:
+          rec = rec.with_cache(j, cache)
+      else:
+        j = c.ring_layer(i)
+        cache, experts, x = blk(x, pos_T, None if ring is None else ring.cache(j, tier), experts)
+        if ring is not None:
+          ring = ring.with_cache(j, cache)
     head = embed if c.tied_embeddings else _param(self, "output", _init, (c.vocab_size, c.d_model))
     hidden = add_rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps,
-                          impl=glue_impl(head, self.opts))
+                          impl=glue_impl(head, self.opts), tuning=pick(self.opts.tunings, "rmsnorm"))
     logits = _op(self.opts, "linear", linear)(hidden[-1:] if last_only else hidden, head)
-    return logits, hidden, ring, experts
+    return logits, hidden, ring, experts, (tuple(kept) if self.keep else rec)
 
 
 class MTPBlock(nn.Module):

@@ -16,14 +16,20 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   return x * jax.lax.rsqrt(ms + eps) * w.astype(jnp.float32)
 
 
-def rope_neox(x_THDh: jax.Array, pos_T: jax.Array, rope_dim: int, theta: float) -> jax.Array:
+def rope_neox(x_THDh: jax.Array, pos_T: jax.Array, rope_dim: int, theta: float,
+              pairs: tuple[bool, ...] | None = None) -> jax.Array:
   """NEOX rotary embedding on the first `rope_dim` dims of each head.
 
   Pairs (i, i + rope_dim/2) rotate by pos * theta^(-2i/rope_dim); dims past rope_dim pass through
-  (partial rotary, as glm4moe). x: [T, H, Dh], pos: [T] int32 absolute positions.
+  (partial rotary, as glm4moe). x: [T, H, Dh], pos: [T] int32 absolute positions. `pairs` (static, rope_dim / 2
+  flags): only the pairs it marks rotate, the others pass through (llama.cpp's IMROPE on text positions).
   """
   half = rope_dim // 2
   inv_freq = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / rope_dim)
+  if pairs is not None:
+    if len(pairs) != half:
+      raise ValueError(f"rope_neox: {len(pairs)} pair flags for rope_dim {rope_dim}, expected {half}")
+    inv_freq = inv_freq * jnp.asarray(pairs, jnp.float32)
   ang = pos_T.astype(jnp.float32)[:, None] * inv_freq[None, :]          # [T, half]
   cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]         # [T, 1, half]
   x = x_THDh.astype(jnp.float32)

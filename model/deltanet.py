@@ -1,0 +1,75 @@
+"""`GatedDeltaNet`: the linear-attention mixer of the hybrid family's recurrent layers (qwen3next, qwen35moe).
+
+  qkv = x Wqkv^T [T, Cc] -> causal depthwise conv over the layer's window (kernel Kc) -> SiLU -> q, k
+  (L2-normalised per head), v; z = x Wz^T; beta = sigmoid(x Wbeta^T); g = softplus(x Walpha^T + dt_bias) * a
+  (a = -exp(A_log), as the file stores it) -> the gated delta rule over the layer's [Hv, Dk, Dv] state ->
+  o [T, Hv, Dv] -> RMSNorm per value head (weight `norm`) times SiLU(z) -> Wo.
+
+The maths and their llama.cpp sources: ops/gated_delta.py. A pass of T <= ops.gated_delta_step_pallas.MAX_T tokens
+(decode, verify) runs the conv fused with the one-token update, token by token, so a verify pass reproduces the
+steps; longer passes (prefill) the conv over the chunk and the chunked delta rule. Both run the Pallas kernels
+when the layer's weights run them ("pallas" | "interpret"), else the jnp references. The block takes its layer's
+`RecurrentLayer` (None: a zero state, training) and returns it; with `keep` the per-token states too.
+
+Params (model/gguf_io.py tensor_map): wqkv [Cc, D], wz [Hv Dv, D], wbeta / walpha [Hv, D], conv [Cc, Kc],
+dt_bias [Hv], a [Hv], norm [Dv], wo [D, Hv Dv].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from model.common import _init, _ones, _op, _param, _zeros, kernel_mode
+from model.config import ModelConfig
+from model.options import DEFAULT, Options
+from model.recurrent import RecurrentLayer
+from ops import gated_delta as gd
+from ops.gated_delta_step_pallas import MAX_T as STEP_MAX_T
+from ops.layers import linear, rms_norm
+
+CHUNK = 64          # tokens per intra-chunk block of the prefill form
+
+
+def _a_init(key, shape):
+  """ssm_a holds -exp(A_log): a negative decay rate per value head (random init: -exp(U(0, 1)))."""
+  return -jnp.exp(jax.random.uniform(key, shape))
+
+
+class GatedDeltaNet(nn.Module):
+  cfg: ModelConfig
+  opts: Options = DEFAULT
+
+  @nn.compact
+  def __call__(self, x_TD, cache: RecurrentLayer | None, keep: bool = False):
+    c = self.cfg
+    D, Hk, Hv, Dk, Dv, Cc, Kc = c.d_model, c.Hk, c.Hv, c.Dk, c.Dv, c.Cc, c.Kc
+    T = x_TD.shape[0]
+    lin = _op(self.opts, "linear", linear)
+    wqkv = _param(self, "wqkv", _init, (Cc, D))
+    qkv_TCc = lin(x_TD, wqkv)
+    z_THvDv = lin(x_TD, _param(self, "wz", _init, (Hv * Dv, D))).reshape(T, Hv, Dv)
+    b_THv = lin(x_TD, _param(self, "wbeta", _init, (Hv, D)))
+    a_THv = lin(x_TD, _param(self, "walpha", _init, (Hv, D)))
+    conv_CcKc = _param(self, "conv", _init, (Cc, Kc))
+    g_THv, beta_THv = gd.gate_and_beta(a_THv, b_THv, _param(self, "dt_bias", _zeros, (Hv,)).astype(jnp.float32),
+                                       _param(self, "a", _a_init, (Hv,)).astype(jnp.float32))
+    if cache is None:
+      cache = RecurrentLayer(jnp.zeros((Cc, Kc - 1), jnp.float32), jnp.zeros((Hv, Dk, Dv), jnp.float32))
+    head_map = "tile" if c.gdn_heads_tiled else "interleave"
+    impl = kernel_mode(wqkv)
+    if T <= STEP_MAX_T:
+      out = gd.gated_delta_step(qkv_TCc, cache.conv, conv_CcKc, g_THv, beta_THv, cache.delta, eps=c.rms_eps,
+                                head_map=head_map, keep_states=keep, impl=impl)
+      o_THvDv, conv, delta = out[:3]
+      cache = RecurrentLayer(conv, delta, *(out[3:] if keep else ()))
+    else:
+      if keep:
+        raise ValueError(f"GatedDeltaNet: per-token states are kept for passes of at most {STEP_MAX_T} tokens, got {T}")
+      y_TCc, conv = gd.causal_conv1d(qkv_TCc, cache.conv, conv_CcKc)
+      q, k, v = gd.split_qkv(y_TCc, Hk, Dk, Hv, Dv, c.rms_eps)
+      o_THvDv, delta = gd.gated_delta_chunked(q, k, v, g_THv, beta_THv, cache.delta, chunk=CHUNK, head_map=head_map,
+                                              impl=impl)
+      cache = RecurrentLayer(conv, delta)
+    o = rms_norm(o_THvDv, _param(self, "norm", _ones, (Dv,)), c.rms_eps) * gd.silu(z_THvDv.astype(jnp.float32))
+    return cache, lin(o.reshape(T, Hv * Dv), _param(self, "wo", _init, (D, Hv * Dv)))

@@ -1,0 +1,76 @@
+"""Speculative decoding over a hybrid model's recurrent layers (qwen3next, qwen35moe tiny files): a verify pass of
+k + 1 tokens moves every Gated DeltaNet layer's state k + 1 steps, and the round must leave exactly the state that
+plain decoding of the accepted tokens leaves (a ring masks rejected positions; a recurrent state cannot). Checked
+against plain greedy decoding: the same tokens for NextN, lookup and replay drafts, k = 1..4, bf16 and int8 KV, two
+ring capacities and a host tier; replay accepts every draft; acceptance is the same across ring capacities."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from decode.engine import generate
+from decode.speculative import speculative_generate
+from model.loader import load_model
+from tests.models import model_path
+
+N_NEW = 24
+
+
+@functools.lru_cache(maxsize=2)
+def _model(arch: str):
+  return load_model(model_path(arch, "F16"))
+
+
+def _prompt(n: int = 20, seed: int = 3) -> list[int]:
+  # a repeating motif, so lookup drafts find matches and some of them are accepted
+  motif = [int(t) for t in np.random.default_rng(seed).integers(0, 1000, 6)]
+  return (motif * (n // len(motif) + 1))[:n]
+
+
+@functools.lru_cache(maxsize=8)
+def _plain(arch: str, kv: str, n: int = N_NEW) -> tuple[int, ...]:
+  return tuple(generate(_model(arch), _prompt(), max_new_tokens=n, stop_at_eos=False, kv=kv,
+                        kv_resident=1024).ids)
+
+
+def _corrupt(ids: list[int], every: int = 3) -> list[int]:
+  """A replay continuation wrong at every `every`-th token: rounds accept a prefix, then reject the rest."""
+  return [(t + 1) % 1000 if i % every == every - 1 else t for i, t in enumerate(ids)]
+
+
+@pytest.mark.parametrize("arch,drafter,k,kv", [
+    ("qwen3next", "partial", 3, "int8"), ("qwen3next", "partial", 4, "bf16"), ("qwen35moe", "partial", 2, "bf16"),
+    ("qwen3next", "replay", 1, "bf16"), ("qwen35moe", "replay", 4, "int8"), ("qwen3next", "mtp", 3, "bf16"),
+    ("qwen35moe", "mtp", 1, "int8"), ("qwen35moe", "lookup", 3, "int8")])
+def test_greedy_speculative_equals_plain_greedy(arch, drafter, k, kv):
+  """"partial": replay drafts that are wrong at every third token, so rounds accept a prefix and reject the rest,
+  the case where the recurrent state must be rolled back to the middle of the verify pass."""
+  plain = list(_plain(arch, kv))
+  replay = {"replay": plain, "partial": _corrupt(plain)}.get(drafter)
+  kw = dict(drafter="replay" if replay else drafter, k=k, max_new_tokens=N_NEW, stop_at_eos=False, kv=kv,
+            mtp_window=256, replay_ids=replay)
+  runs = {cap: speculative_generate(_model(arch), _prompt(), kv_resident=cap, **kw) for cap in (256, 1024)}
+  for cap, r in runs.items():
+    assert r.ids == plain, (cap, r.ids, plain)
+  acc, prop = runs[256].stats["drafts_accepted"], runs[256].stats["drafts_proposed"]
+  assert runs[1024].stats["drafts_accepted"] == acc
+  if drafter == "replay":
+    assert acc == prop and sum(prop) > 0
+  if drafter == "partial":
+    assert 0 < sum(acc) < sum(prop)
+  print(f"\n{arch} {drafter} k={k} {kv}: accepted {acc} of {prop} per draft position")
+
+
+@pytest.mark.parametrize("drafter", ["partial", "lookup"])
+def test_speculative_with_a_host_tier_equals_plain_greedy(drafter):
+  """A 256-slot ring under max_context 1024 with a 300-token prompt: the attention layers' old positions live in
+  the host tier while the DeltaNet layers' state rolls back each round."""
+  m = _model("qwen3next")
+  prompt = _prompt(300, seed=5)
+  plain = generate(m, prompt, max_new_tokens=16, stop_at_eos=False, kv="int8", kv_resident=1024).ids
+  r = speculative_generate(m, prompt, drafter="replay" if drafter == "partial" else drafter, k=3, max_new_tokens=16,
+                           stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
+                           replay_ids=_corrupt(plain) if drafter == "partial" else None)
+  assert r.ids == plain
