@@ -168,12 +168,14 @@ def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir
   from decode.engine import LoopState, decode_loop
   from model import api
   from model.options import DEFAULT
+  from model.recurrent import RecurrentState
   kw = dict(cfg=cfg, temperature=0.0, top_p=1.0, options=options or DEFAULT)
   base_len = int(ring.length)
   out = []
   ls = None
   for r in range(repeats + 1 + bool(trace_dir)):
-    st = (api.ModelState(ring, host=host) if ls is None
+    rec = RecurrentState.create(cfg) if cfg.recurrent_layers else None     # a hybrid model's DeltaNet state
+    st = (api.ModelState(ring, host=host, recurrent=rec) if ls is None
           else ls.model.replace(ring=ls.model.ring.rewind(base_len)))
     ls = LoopState(st, jnp.zeros((steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1), jax.random.PRNGKey(0),
                    jnp.zeros((), bool))
@@ -238,8 +240,8 @@ def main(argv):
         if C is not None and C < depth + FLAGS.steps + 1:
           raise ValueError(f"max_context {C} < depth {depth} + {FLAGS.steps + 1} steps")
         host_cap = C if C is not None and C > R else None
-        ring = fill_ring(KVRing.create(cfg.n_layers, R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R)),
-                         depth, wrap=host_cap is not None)
+        ring = KVRing.create(len(cfg.attention_layers), R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R))
+        ring = fill_ring(ring, depth, wrap=host_cap is not None)
         host = fill_host(ring, depth, host_cap) if host_cap else None
         name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
         tdir = os.path.join(FLAGS.profile, name) if FLAGS.profile else None

@@ -44,8 +44,10 @@ QWEN3MOE_30B_A3B = ModelConfig(
     rope_dim=128, rope_theta=1e6, rms_eps=1e-6, n_experts=128, top_k=8, d_ff_expert=768, routing="softmax",
     norm_topk=True, qk_norm=True, context_length=262144)
 
-# The seed report's model: 48 layers, 512 experts top-10 plus a shared expert, one NextN block (glm4moe).
-SEED_MTP = ModelConfig(
+# The glm4moe stand-in of the seed report's model (every layer full attention; the seed experiment's tables in
+# docs/PERF.md before the hybrid family loaded were measured on it): 48 layers, 512 experts top-10 plus a shared
+# expert, one NextN block. `seed-mtp` is now the model itself, QWEN3NEXT_80B_A3B.
+SEED_MTP_GLM4MOE = ModelConfig(
     arch="glm4moe", vocab_size=151552, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
     rope_dim=64, rope_theta=1e6, rms_eps=1e-6, n_experts=512, top_k=10, d_ff_expert=512, n_shared_experts=1,
     d_ff_shared=512, routing="sigmoid", norm_topk=True, routed_scale=2.5, qk_norm=True, n_nextn=1,
@@ -71,7 +73,8 @@ GLM45_AIR = ModelConfig(
 PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen3moe": TINY_QWEN3MOE, "tiny-qwen2moe": TINY_QWEN2MOE, "tiny-glm4moe": TINY_GLM4MOE,
     "tiny-qwen3next": TINY_QWEN3NEXT, "tiny-qwen35moe": TINY_QWEN35MOE,
-    "qwen3moe-30b-a3b": QWEN3MOE_30B_A3B, "seed-mtp": SEED_MTP, "qwen3next-80b-a3b": QWEN3NEXT_80B_A3B,
+    "qwen3moe-30b-a3b": QWEN3MOE_30B_A3B, "qwen3next-80b-a3b": QWEN3NEXT_80B_A3B,
+    "seed-mtp": QWEN3NEXT_80B_A3B, "seed-mtp-glm4moe": SEED_MTP_GLM4MOE,
     "glm45-air": GLM45_AIR,
 }
 

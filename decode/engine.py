@@ -10,7 +10,6 @@ buffer with a dynamic bound (stops at max_new_tokens or EOS), plus an eager loop
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -192,7 +191,7 @@ class Started:
   hidden: jax.Array       # [T, D] after output_norm
   cap: int
   grow: bool
-  reused_s: float | None = None   # the prompt came from a PrefillCache: seconds its original prefill took
+  reused_s: float | None = None   # the prompt came from a prefill cache: seconds its original prefill took
   setup_s: float = 0.0            # start_request's seconds outside the prefill: checks, the state's allocation
                                   # (a host tier's pinned memory), a cache hit's copy, a cache entry's bookkeeping
   prefill_s: float | None = None  # seconds of the prefill itself, waited for (None on a cache hit)
@@ -205,47 +204,10 @@ def _fresh(tree):
                       tree)
 
 
-class PrefillCache:
-  """Prompts already prefilled, so that a benchmark's arms that share a prompt and a ring pay one prefill.
-
-  An entry is the main trunk's result of `start_request` (the ring, the host tier, the last logits and the hidden
-  states) under a key of everything that shapes it: the weights, the prompt, the ring's capacity and scratch, the
-  tier's size, the KV dtype and the prefill chunking. The drafter ring is not part of it (it is filled after the
-  prefill, from the hidden states), so a NextN arm and a lookup arm with the same k share an entry. Requests with
-  an expert cache never use it (their cache counters are part of the result). `capacity` entries, least recently
-  used out first; each holds a whole ring and tier, so keep it small on a GPU.
-
-  >>> cache = PrefillCache(capacity=2)
-  >>> len(cache)
-  0
-  """
-
-  def __init__(self, capacity: int = 4):
-    self.capacity, self._d = capacity, collections.OrderedDict()
-    self.hits = self.misses = 0
-
-  def __len__(self) -> int:
-    return len(self._d)
-
-  def get(self, key):
-    if key not in self._d:
-      self.misses += 1
-      return None
-    self.hits += 1
-    self._d.move_to_end(key)
-    return self._d[key]
-
-  def put(self, key, value) -> None:
-    self._d[key] = value
-    self._d.move_to_end(key)
-    while len(self._d) > self.capacity:
-      self._d.popitem(last=False)
-
-
 # Scratch slots of every request on a fixed ring beside a host tier, plain or speculative (k + 1 <= this). The window
 # (capacity - scratch) decides which positions attention takes from the ring and which from the tier, and the two
 # sum in different orders: with one window for all, a speculative request's verify rows are the plain request's
-# steps bitwise (the replay arms at depth accept every draft), and both share a prefill (PrefillCache).
+# steps bitwise (the replay arms at depth accept every draft), and both share a prefill (bench.prefill_cache).
 TIER_SCRATCH = 8
 
 
@@ -266,7 +228,7 @@ def tier_layout(max_context: int, cap: int, k: int) -> tuple[int, int | None]:
 
 def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_window: int | None = None,
                   ring_start: int | None = None, params: dict | None = None,
-                  prefill_cache: PrefillCache | None = None) -> Started:
+                  prefill_cache=None) -> Started:
   """Check the request, size the ring (and host tier), allocate the state and prefill the prompt with `params`
   (default model.params; `generate` passes request_params(model, gen)).
 
@@ -302,8 +264,8 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=None if hit else host,
                      params=params)
   if hit is not None:
-    ring, tier, logits, hidden = _fresh(hit[0])
-    state = commit_for_store(state.replace(ring=ring, host=tier), params, model.cfg)
+    ring, tier, rec, logits, hidden = _fresh(hit[0])
+    state = commit_for_store(state.replace(ring=ring, host=tier, recurrent=rec), params, model.cfg)
     jax.block_until_ready((state, logits))
     return Started(state, logits, hidden, cap, grow=not fixed, reused_s=hit[1], setup_s=time.perf_counter() - t_in)
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
@@ -312,7 +274,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   jax.block_until_ready(logits)                            # the caller waits for the first token right after
   prefill_s = time.perf_counter() - t0
   if key is not None:
-    prefill_cache.put(key, (_fresh((state.ring, state.host, logits, hidden)), prefill_s, params))
+    prefill_cache.put(key, (_fresh((state.ring, state.host, state.recurrent, logits, hidden)), prefill_s, params))
   return Started(state, logits, hidden, cap, grow=not fixed, setup_s=time.perf_counter() - t_in - prefill_s,
                  prefill_s=prefill_s)
 
@@ -373,12 +335,13 @@ def _buffer_size(n: int) -> int:
 
 
 def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = False, ring_start: int | None = None,
-             prefill_cache: PrefillCache | None = None, **kw) -> GenResult:
+             prefill_cache=None, **kw) -> GenResult:
   """Greedy or sampled generation from `prompt_ids` (a LoadedModel from model.loader).
 
   ring_start: with kv_resident auto, size the first bucket for this many tokens instead of the whole request
   (the ring then grows into the next bucket when the request runs past it; one compile per bucket).
-  prefill_cache: reuse a prompt prefilled before (PrefillCache); ttft_s then counts the original prefill's
+  prefill_cache: reuse a prompt prefilled before (bench.prefill_cache.PrefillCache, or any object with get and
+  put); ttft_s then counts the original prefill's
   seconds and stats["prefill_reused"] is True.
   With gen.expert_slots the store is placed by request_params (pinned host memory on a GPU that has it)."""
   gen = dataclasses.replace(gen or GenConfig(), **kw)

@@ -1,8 +1,10 @@
 """`kv_plan`: the memory plan computed before anything is allocated.
 
-Items (device unless noted): weights, expert cache slots, main ring (mode 0), host tier (mode 1, pinned host
-memory), drafter ring (mode 2, sized from --mtp_window), workspace; free = budget - device items. A plan over
-the budget is refused with a one-line error naming the largest items.
+Items (device unless noted): weights, expert cache slots, main ring (mode 0; a hybrid model's attention layers
+only), the recurrent state of a hybrid model's DeltaNet layers and, with k drafts, the k + 1 per-token states a
+verify pass keeps for its rollback, host tier (mode 1, pinned host memory), drafter ring (mode 2, sized from
+--mtp_window), workspace; free = budget - device items. A plan over the budget is refused with a one-line error
+naming the largest items.
 
 >>> from configs.presets import QWEN3MOE_30B_A3B as cfg
 >>> p = make_plan(cfg, weight_bytes=13 << 30, ring=32768, kv="int8", budget=24 << 30)
@@ -12,6 +14,10 @@ the budget is refused with a one-line error naming the largest items.
 Traceback (most recent call last):
 ...
 decode.kv_plan.PlanError: memory plan: 25.80 GiB on the device exceeds the budget 16.00 GiB (largest: weights 13.00 GiB, main ring 12.00 GiB, workspace 0.80 GiB)
+>>> from configs.presets import QWEN3NEXT_80B_A3B as hybrid     # 12 attention layers of 48 hold K/V
+>>> p = make_plan(hybrid, weight_bytes=30 << 30, ring=32768, kv="int8", k=3)
+>>> [round(p.get(n) / GiB, 3) for n in ("main ring", "recurrent state", "verify states")]
+[0.381, 0.074, 0.294]
 """
 from __future__ import annotations
 
@@ -105,11 +111,17 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     items.append(Item("weights (non-expert)", weight_bytes - expert_bytes))
     items.append(Item("expert cache slots", expert_cache_bytes))
     items.append(Item("expert store", expert_bytes, "host"))
-  items.append(Item("main ring", ring * kv_bytes_per_token(cfg, cfg.n_layers, kv), mode=0))
+  n_attn = len(cfg.attention_layers)                  # a hybrid model's ring holds its attention layers only
+  items.append(Item("main ring", ring * kv_bytes_per_token(cfg, n_attn, kv), mode=0))
+  if cfg.recurrent_layers:
+    from model.recurrent import state_bytes
+    items.append(Item("recurrent state", state_bytes(cfg)))
+    if k:                                              # a verify pass keeps each of its k + 1 tokens' states
+      items.append(Item("verify states", (k + 1) * state_bytes(cfg)))
   if fixed_ring and max_context and max_context > ring:
     from decode.engine import tier_layout     # indexed by position: max_context plus the scratch slots
     tier = tier_layout(max_context, ring, k)[1]
-    items.append(Item("host tier", tier * kv_bytes_per_token(cfg, cfg.n_layers, kv), "host", mode=1))
+    items.append(Item("host tier", tier * kv_bytes_per_token(cfg, n_attn, kv), "host", mode=1))
   if cfg.n_nextn and mtp_window:
     items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv), mode=2))
   # activations of one prefill chunk: residual stream, q/k/v, expert hidden, last logits (float32), plus the

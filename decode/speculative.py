@@ -138,7 +138,8 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
   model = s.model
   q = None
   if drafter == "mtp":
-    d, q, mtp_ring, ex = _draft_mtp(params, s, k_draft, cfg=cfg, options=options, k=k, temperature=temperature, top_p=top_p)
+    d, q, mtp_ring, ex = _draft_mtp(params, s, k_draft, cfg=cfg, options=options, k=k, temperature=temperature,
+                                    top_p=top_p)
     model = model.replace(mtp_ring=mtp_ring, experts=ex)
   elif drafter == "lookup":
     d = drafters.lookup_draft(s.hist, s.n_hist, k)
@@ -221,7 +222,7 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
 
   replay_ids: for drafter="replay", the continuation to propose (e.g. a plain greedy run's ids).
   eager=True runs the rounds one by one from Python (same jitted round, easier to inspect).
-  prefill_cache: an engine.PrefillCache to reuse the main trunk's prefill of this prompt (ttft_s counts the
+  prefill_cache: a bench.prefill_cache.PrefillCache to reuse the main trunk's prefill of this prompt (ttft_s counts the
   original prefill's seconds; the drafter ring is still filled here).
   """
   gen = dataclasses.replace(gen or GenConfig(), **kw)

@@ -21,18 +21,3 @@ def _release_compiled_code():
   import jax
   jax.clear_caches()
   gc.collect()
-
-
-@pytest.fixture
-def retrace(monkeypatch):
-  """set(module, name, value): patch a setting that the code reads at trace time (a kernel form, a layout
-  switch) and drop every cached trace, so the next call traces under it; at teardown the caches go again, so no
-  trace made under the patch outlives the test."""
-  import jax
-
-  def set_(module, name, value):
-    monkeypatch.setattr(module, name, value)
-    jax.clear_caches()
-
-  yield set_
-  jax.clear_caches()

@@ -29,8 +29,8 @@ def test_quickstart_opens_as_a_notebook():
   assert kinds.count("markdown") >= 4 and kinds.count("code") >= 5
 
 
-@pytest.mark.parametrize("module", ["model.api", "decode.engine", "decode.speculative", "decode.kv_plan",
-                                    "model.loader", "bench.round_model"])
+@pytest.mark.parametrize("module", ["model.api", "model.state", "model.recurrent", "model.options", "decode.engine",
+                                    "decode.speculative", "decode.kv_plan", "model.loader", "bench.round_model"])
 def test_docstring_examples_run(module):
   import importlib
   mod = importlib.import_module(module)

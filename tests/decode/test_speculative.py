@@ -151,13 +151,13 @@ def test_greedy_speculative_with_a_host_tier_equals_plain_greedy(drafter, skip_i
 
 
 def test_prefill_cache_reuse_changes_no_token():
-  """decode.engine.PrefillCache (bench.cells --reuse_prefill): a 600-token prompt prefilled once on a 256-slot ring
+  """bench.prefill_cache.PrefillCache (bench.cells --reuse_prefill): a 600-token prompt prefilled once on a 256-slot ring
   with a host tier (max_context 1024: the prompt already wraps the ring) serves the later requests with the same
   ring, k and chunking. Every request emits the tokens and draft counts of the same request prefilling by itself;
   the plain, NextN and lookup requests (k = 3) share one entry (beside a host tier every request has the same
   scratch slots, engine.TIER_SCRATCH, and the drafter ring is filled after the prefill); each use gets its own
   copy of the state (the steps donate it)."""
-  from decode.engine import PrefillCache
+  from bench.prefill_cache import PrefillCache
   m = _model()
   prompt = _prompt(600, seed=5)
   kw = dict(max_new_tokens=24, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024, prefill_chunk=128)

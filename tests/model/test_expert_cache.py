@@ -49,7 +49,7 @@ def _decode(m, slots, policy="lru", n_prompt=20, step_params=None):
 
 
 @pytest.mark.parametrize("arch,kind,policy", [("glm4moe", "IQ3_S", "lru"), ("qwen3moe", "Q4_K_M", "lfu"),
-                                               ("glm4moe", "F16", "lfu")])
+                                               ("glm4moe", "F16", "lfu"), ("qwen3next", "Q4_K_M", "lru")])
 def test_logits_bitwise_equal_to_all_resident(arch, kind, policy):
   m = _m(arch, kind)
   ref, _, _ = _decode(m, None)
