@@ -329,7 +329,7 @@ class Decoder(nn.Module):
     hidden = add_rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps,
                           impl=glue_impl(head, self.opts), tuning=pick(self.opts.tunings, "rmsnorm"))
     logits = _op(self.opts, "linear", linear)(hidden[-1:] if last_only else hidden, head)
-    return logits, hidden, ring, experts, (tuple(kept) if self.keep else rec)
+    return logits, hidden, ring, experts, (tuple(kept) if self.keep and rec is not None else rec)
 
 
 class MTPBlock(nn.Module):
