@@ -18,7 +18,7 @@ the device (ops/repack.random_planes), random distinct routing per token and lay
 Each layer's weights are their own arrays and jit arguments, as in the model (`--layer_weights separate`, the
 default). `--layer_weights stacked` stacks them over layers ([L, E, F, D] planes) and each layer passes its index
 to the kernels (`moe_pallas(..., layer=l)`: an operand sliced out of a stack would be copied whole by XLA first).
-The routing comes in the weights' form: per-layer arrays for separate weights (slices of one [L, T, K] array would
+The routing comes in the weights' form: per-layer arrays for separate weights (slices of one [L, T, X] array would
 cost two ~1 µs `memcpy32_post` per layer, which the model has not; scripts/gpu/memcpy_probe.py).
 Waited calls of the separate form pass hundreds of weight buffers through each dispatch; compare forms queued. Layers
 are unrolled as in the model (`--layer_loop scan`, stacked only, for a lax.scan). XLA reuses one compiled Triton kernel for
@@ -178,7 +178,7 @@ def _layer(layers, l):
 
 
 def _routing(key, layers, T, separate=False, sh: Shape = SHAPE):
-  """Expert ids [L, T, K] int32 and router weights [L, T, K]; with `separate` two lists of L per-layer arrays,
+  """Expert ids [L, T, X] int32 and router weights [L, T, X]; with `separate` two lists of L per-layer arrays,
   each its own buffer, as the model's router hands each layer its own (slicing layer l out of a [L, ...] jit
   argument costs two device copies per layer, `memcpy32_post`)."""
   import jax
@@ -203,7 +203,7 @@ def _next_x(y):
 
 
 def _step_fn(impl, tuning=None, layer_loop="unroll", interpret=False):
-  """(x, ids [n, T, K], w [n, T, K], layers) -> x after layers 0 .. n-1: `layers` a list of per-layer (gate, up,
+  """(x, ids [n, T, X], w [n, T, X], layers) -> x after layers 0 .. n-1: `layers` a list of per-layer (gate, up,
   down) or the stacked triple read in place; unrolled (as the model) or a lax.scan (--layer_loop). tuning: the
   Pallas MoE kernels' (ops.moe_pallas.Tuning); interpret: the kernels in interpret mode (CPU)."""
   import jax
@@ -245,7 +245,7 @@ def _step_fn(impl, tuning=None, layer_loop="unroll", interpret=False):
 
 
 def _floor_fn(qtype, interpret=False, sh: Shape = SHAPE):
-  """(x, ids [n, T, K], w [n, T, K]) -> x: part (b)'s step with its launches and glue but no weight bytes. Per layer
+  """(x, ids [n, T, X], w [n, T, X]) -> x: part (b)'s step with its launches and glue but no weight bytes. Per layer
   two Pallas calls with the grid, warps and stages of the type's gate/up (F/BN x P programs) and down (D/BN x P)
   kernels, in which program (i, p) only copies a BN-wide slice of its input row (h[p] from x[t], then y[p] =
   w[p] h[p] from h), then the step's top-k sum and norm. The real step's time over this one says how much of it
@@ -261,10 +261,10 @@ def _floor_fn(qtype, interpret=False, sh: Shape = SHAPE):
   cg = moe_pallas._cfg("gateup", qtype, F, D // blk, None)
   cd = moe_pallas._cfg("down", qtype, D, F // blk, None)
 
-  def gateup_like(x_ref, o_ref, *, K, BN):
+  def gateup_like(x_ref, o_ref, *, X, BN):
     p = pl.program_id(1)
     rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(jnp.int32, BN), F - 1)
-    o_ref[p, rows] = x_ref[p // K, rows]                                  # F <= D
+    o_ref[p, rows] = x_ref[p // X, rows]                                  # F <= D
 
   def down_like(w_ref, h_ref, o_ref, *, BN):
     p = pl.program_id(1)
@@ -272,17 +272,17 @@ def _floor_fn(qtype, interpret=False, sh: Shape = SHAPE):
     o_ref[p, rows] = w_ref[p] * h_ref[p, rows % F]
 
   def run(x, ids, w):
-    T, K = ids[0].shape
-    P = T * K
+    T, X = ids[0].shape
+    P = T * X
     for l in range(len(ids)):
-      h = pl.pallas_call(functools.partial(gateup_like, K=K, BN=cg.BN), grid=(pl.cdiv(F, cg.BN), P),
+      h = pl.pallas_call(functools.partial(gateup_like, X=X, BN=cg.BN), grid=(pl.cdiv(F, cg.BN), P),
                          out_shape=jax.ShapeDtypeStruct((P, F), jnp.float32), compiler_params=qp.compiler_params(cg),
                          interpret=interpret, name="floor_gateup")(x)
       y = pl.pallas_call(functools.partial(down_like, BN=cd.BN), grid=(pl.cdiv(D, cd.BN), P),
                          out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32), compiler_params=qp.compiler_params(cd),
-                         interpret=interpret, name="floor_down")(w[l].reshape(P), h).reshape(T, K, D)
+                         interpret=interpret, name="floor_down")(w[l].reshape(P), h).reshape(T, X, D)
       out = y[:, 0]
-      for k in range(1, K):                  # the top-k sum in moe_pallas's order
+      for k in range(1, X):                  # the top-k sum in moe_pallas's order
         out = out + y[:, k]
       x = _next_x(out)
     return x
@@ -332,7 +332,7 @@ def _bf16_moe(x, ids, w, g, u, d):
   import jax
   import jax.numpy as jnp
   xb = x.astype(jnp.bfloat16)
-  gg, uu, dd = g[ids], u[ids], d[ids]                   # [T, K, F, D] routed slabs
+  gg, uu, dd = g[ids], u[ids], d[ids]                   # [T, X, F, D] routed slabs
   h = jax.nn.silu(jnp.einsum("td,tkfd->tkf", xb, gg, preferred_element_type=jnp.float32)) * \
       jnp.einsum("td,tkfd->tkf", xb, uu, preferred_element_type=jnp.float32)
   y = jnp.einsum("tkf,tkdf->tkd", h.astype(jnp.bfloat16), dd, preferred_element_type=jnp.float32)

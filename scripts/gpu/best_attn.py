@@ -1,5 +1,5 @@
 """Print the fastest decode-attention variant of an `bench.attention --variants` log at one depth, as a
-bench_step attn spec (dots/bk/warps/stages). Usage: python3 scripts/gpu/best_attn.py LOG DEPTH [FALLBACK]."""
+bench.step attn spec (dots/bk/warps/stages). Usage: python3 scripts/gpu/best_attn.py LOG DEPTH [FALLBACK]."""
 import re
 import sys
 
