@@ -163,7 +163,8 @@ def test_host_tier_beside_the_attention_kernels_equals_full_cache(kernel, monkey
   and returns its log-sum-exp for the merge with the tier's part: decode steps on the decode kernel, prefill
   chunks on the prefill kernel. The same greedy tokens as one ring holding everything, also on the kernels; every
   kernel call beside the tier asks for the lse, none without it."""
-  from ops import attention, attention_pallas, prefill_attention_pallas
+  from ops import attention_pallas, prefill_attention_pallas
+  from ops.tuning import Tunings
   module, name = ((attention_pallas, "ring_attention_pallas") if kernel == "decode" else
                   (prefill_attention_pallas, "prefill_attention_pallas"))
   real, calls = getattr(module, name), []
@@ -172,13 +173,12 @@ def test_host_tier_beside_the_attention_kernels_equals_full_cache(kernel, monkey
     calls.append(kw.get("with_lse", False))
     return real(*a, **kw)
 
-  impl = (lambda T: "interpret" if T <= attention_pallas.MAX_T else "ref") if kernel == "decode" else \
-      (lambda T: "interpret")
-  monkeypatch.setattr(attention, "default_impl", impl)
+  tunings = (Tunings(attention_impl="interpret", prefill_attention_impl="ref") if kernel == "decode" else
+             Tunings(attention_impl="interpret", prefill_attention_impl="interpret"))
   monkeypatch.setattr(module, name, counted)
   m = _model()
   n, kw = (300, dict(max_new_tokens=16)) if kernel == "decode" else (400, dict(max_new_tokens=8, prefill_chunk=100))
-  kw["options"] = Options(skip_idle_tier=False)              # only the tier's path traced (no ring-only branch)
+  kw["options"] = Options(skip_idle_tier=False, tunings=tunings)   # only the tier's path traced (no ring-only branch)
   prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1024, n)]
   big = generate(m, prompt, stop_at_eos=False, kv="int8", kv_resident=1024, **kw)
   assert calls and not any(calls)
