@@ -8,7 +8,8 @@
 The maths and their llama.cpp sources: ops/gated_delta.py. A pass of T <= ops.gated_delta_step_pallas.MAX_T tokens
 (decode, verify) runs the conv fused with the one-token update, token by token, so a verify pass reproduces the
 steps; longer passes (prefill) the conv over the chunk and the chunked delta rule. Both run the Pallas kernels
-when the layer's weights run them ("pallas" | "interpret"), else the jnp references. The block takes its layer's
+when the layer's weights run them ("pallas" | "interpret"), else the jnp references; in decode and verify passes
+the gated output norm runs the RMSNorm kernel too (one program per token and head: batch-invariant). The block takes its layer's
 `RecurrentLayer` (None: a zero state, training) and returns it; with `keep` the per-token states too.
 
 Params (model/gguf_io.py tensor_map): wqkv [Cc, D], wz [Hv Dv, D], wbeta / walpha [Hv, D], conv [Cc, Kc],
@@ -27,6 +28,7 @@ from model.recurrent import RecurrentLayer
 from ops import gated_delta as gd
 from ops.gated_delta_step_pallas import MAX_T as STEP_MAX_T
 from ops.layers import linear, rms_norm
+from ops.rmsnorm_pallas import rms_norm_pallas
 
 CHUNK = 64          # tokens per intra-chunk block of the prefill form
 
@@ -71,5 +73,12 @@ class GatedDeltaNet(nn.Module):
       o_THvDv, delta = gd.gated_delta_chunked(q, k, v, g_THv, beta_THv, cache.delta, chunk=CHUNK, head_map=head_map,
                                               impl=impl)
       cache = RecurrentLayer(conv, delta)
-    o = rms_norm(o_THvDv, _param(self, "norm", _ones, (Dv,)), c.rms_eps) * gd.silu(z_THvDv.astype(jnp.float32))
+    norm = _param(self, "norm", _ones, (Dv,))
+    if impl != "ref" and self.opts.glue and T <= STEP_MAX_T and Dv & (Dv - 1) == 0:
+      # decode and verify: one program per (token, head) row, the same sums whatever T is (batch invariance)
+      o = rms_norm_pallas(o_THvDv.reshape(T * Hv, Dv), norm, c.rms_eps, interpret=impl == "interpret")
+      o = o.reshape(T, Hv, Dv)
+    else:
+      o = rms_norm(o_THvDv, norm, c.rms_eps)
+    o = o * gd.silu(z_THvDv.astype(jnp.float32))
     return cache, lin(o.reshape(T, Hv * Dv), _param(self, "wo", _init, (D, Hv * Dv)))

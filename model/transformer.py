@@ -224,8 +224,12 @@ class MoE(nn.Module):
       ds = _param(self, "down_shexp", _init, (D, Fs))
       ys = lin(swiglu(lin(x_TD, gs), lin(x_TD, us)), ds)
       if c.shared_expert_gate:
-        g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe: one gate logit per token
-        ys = ys * jax.nn.sigmoid(x_TD.astype(jnp.float32) @ g.astype(jnp.float32))[:, None]
+        g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe, hybrid: one gate logit per token
+        if self.glue != "ref" and T <= router_pallas.MAX_T and D & (D - 1) == 0:   # batch-invariant rows
+          gl = router_pallas.logits_pallas(x_TD, g[None], interpret=self.glue == "interpret")[:, 0]
+        else:
+          gl = x_TD.astype(jnp.float32) @ g.astype(jnp.float32)
+        ys = ys * jax.nn.sigmoid(gl)[:, None]
       y = y + ys
     return y, experts
 

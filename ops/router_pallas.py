@@ -124,20 +124,29 @@ def _route_kernel(l_ref, *refs, E: int, K: int, KP: int, softmax: bool, has_bias
   w_ref[t, :] = w
 
 
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+def logits_pallas(x_TD, w_ND, *, interpret: bool = False, tuning: Tuning | None = None):
+  """x @ w.T [T, N] for a float matrix w [N, D] (N and D powers of two, T <= MAX_T) on the logits kernel: every
+  token's row summed in the same order whatever T is (the router's logits; also a hybrid model's shared-expert
+  gate, N = 1)."""
+  T, D = x_TD.shape
+  N = w_ND.shape[0]
+  t = fill(tuning, TUNING)
+  BE, dc = logits_tiling(N, D, t)
+  cp = plgpu.CompilerParams(num_warps=t.warps, num_stages=2)
+  return pl.pallas_call(functools.partial(_logits_kernel, T=T, BE=BE, D=D, dc=dc),
+                        out_shape=jax.ShapeDtypeStruct((T, N), jnp.float32), grid=(N // BE,), compiler_params=cp,
+                        interpret=interpret, name="router_logits")(x_TD.astype(jnp.float32), w_ND.astype(jnp.float32))
+
+
 @functools.partial(jax.jit, static_argnames=("routing", "top_k", "norm_topk", "routed_scale", "interpret", "tuning"))
 def route_pallas(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk: bool, routed_scale: float,
                  interpret: bool = False, tuning: Tuning | None = None):
   """(ids [T, X] int32, weights [T, X] float32) for tokens x (the normed hidden states) and a float router.
   tuning (static): the fields to set over TUNING."""
-  T, D = x_TD.shape
-  E = router_ED.shape[0]
+  T, E = x_TD.shape[0], router_ED.shape[0]
   t = fill(tuning, TUNING)
-  BE, dc = logits_tiling(E, D, t)
-  cp = plgpu.CompilerParams(num_warps=t.warps, num_stages=2)
-  logits = pl.pallas_call(functools.partial(_logits_kernel, T=T, BE=BE, D=D, dc=dc),
-                          out_shape=jax.ShapeDtypeStruct((T, E), jnp.float32), grid=(E // BE,), compiler_params=cp,
-                          interpret=interpret, name="router_logits")(x_TD.astype(jnp.float32),
-                                                                     router_ED.astype(jnp.float32))
+  logits = logits_pallas(x_TD, router_ED, interpret=interpret, tuning=t)
   KP = 1 << (top_k - 1).bit_length()
   has_bias = routing != "softmax" and bias_E is not None
   args = [logits] + ([bias_E.astype(jnp.float32)] if has_bias else [])

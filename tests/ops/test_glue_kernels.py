@@ -106,6 +106,20 @@ def test_attention_merge_kernel_and_its_batch_invariance(with_lse):
     np.testing.assert_array_equal(np.asarray(f), np.concatenate([np.asarray(a[j]) for a in alone]))
 
 
+@pytest.mark.parametrize("N", [1, 16])
+def test_logits_kernel_rows_against_float64(N):
+  """router_pallas.logits_pallas, also the hybrid shared-expert gate (N = 1): x @ w.T against a float64 dot, and each
+  token's row bitwise the row computed alone (batch invariance)."""
+  T, D = 4, 256
+  x = jnp.asarray(RNG.standard_normal((T, D)), jnp.float32)
+  w = jnp.asarray(RNG.standard_normal((N, D)), jnp.float32)
+  got = np.asarray(router_pallas.logits_pallas(x, w, interpret=True))
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  alone = _rows_alone(lambda x: router_pallas.logits_pallas(x, w, interpret=True), x)
+  np.testing.assert_array_equal(got, np.concatenate(alone))
+
+
 @pytest.mark.parametrize("platform", list(DEVICES))
 def test_glue_kernels_lower(platform):
   T, D, E = 4, 2048, 512
@@ -118,6 +132,8 @@ def test_glue_kernels_lower(platform):
   txt = _lower(platform, lambda x, wr, b: router_pallas.route_pallas(x, wr, b, routing="sigmoid", top_k=10,
                                                                      norm_topk=True, routed_scale=2.5), x, wr, b)
   assert txt.count("__gpu$xla.gpu.triton") == 2
+  g = jax.ShapeDtypeStruct((1, D), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, g: router_pallas.logits_pallas(x, g), x, g)
   S, P, Dh, G = 64, 32, 128, 8
   o = jax.ShapeDtypeStruct((4, S, P, Dh), jnp.float32)
   m = jax.ShapeDtypeStruct((4, S, P), jnp.float32)
