@@ -138,16 +138,9 @@ def shipped_provenance(n: int = 1024) -> dict[str, str]:
 
 
 def add_to_gguf(writer, spec: VocabSpec) -> None:
-  """Writes every tokenizer.ggml.* key llama.cpp needs for this vocab (writer: gguf.GGUFWriter)."""
-  writer.add_tokenizer_model("gpt2")
-  writer.add_tokenizer_pre(spec.pre)
-  writer.add_token_list(list(spec.tokens))
-  writer.add_token_types(list(spec.token_types))
-  writer.add_token_merges(list(spec.merges))
-  writer.add_bos_token_id(spec.bos_id)
-  writer.add_eos_token_id(spec.eos_id)
-  writer.add_pad_token_id(spec.eos_id)
-  writer.add_add_bos_token(spec.add_bos)
+  """Writes every tokenizer.ggml.* key llama.cpp needs for this vocab (writer: gguf.GGUFWriter; model.writer's rule)."""
+  from model.writer import write_vocab
+  write_vocab(writer, spec)
 
 
 def main(argv: list[str] | None = None) -> None:

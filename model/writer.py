@@ -95,9 +95,10 @@ def _interval(recurrent: tuple[bool, ...]) -> int | None:
   return None
 
 
-def _write_vocab(w, vocab) -> None:
-  """Every tokenizer.ggml.* key llama.cpp needs for `vocab` (byte-level BPE: tokens, token_types, merges,
-  bos_id, eos_id, pre, add_bos; the eos token also pads)."""
+def write_vocab(w, vocab) -> None:
+  """Every tokenizer.ggml.* key llama.cpp needs for `vocab` (a configs.vocab.VocabSpec or any object with its
+  fields; byte-level BPE: tokens, token_types, merges, bos_id, eos_id, pre, add_bos; the eos token also pads) into
+  `w`, a gguf.GGUFWriter."""
   w.add_tokenizer_model("gpt2")
   w.add_tokenizer_pre(vocab.pre)
   w.add_token_list(list(vocab.tokens))
@@ -166,7 +167,7 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, vocab, *, types: TypeP
   entries = sorted(tensor_map(cfg, fake).values(), key=lambda e: _order(e[0]))
   w = gguf.GGUFWriter(str(path), cfg.arch)
   _write_metadata(w, cfg, name or f"random-{cfg.arch}")
-  _write_vocab(w, vocab)
+  write_vocab(w, vocab)
   plan = []
   for tname, shape in entries:
     t = types(tname, shape)
