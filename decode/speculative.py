@@ -98,32 +98,32 @@ def _draft_mtp(params, s: SpecState, key, *, cfg, options, k, temperature, top_p
   return jnp.stack(ds), (jnp.stack(qs) if qs else None), ring, ex
 
 
-def verify_greedy(logits_KV, d_K, valid_K):
+def verify_greedy(logits_SV, d_S, valid_S):
   """Greedy verification: accept the longest prefix of drafts equal to the target's argmax; the next token is
   the target's argmax after it. logits: [k+1, V] at positions P .. P+k. Returns (n_acc, next token)."""
-  k = d_K.shape[0]
-  g = jnp.argmax(logits_KV, axis=-1).astype(jnp.int32)
-  acc = valid_K & (d_K == g[:k])
+  k = d_S.shape[0]
+  g = jnp.argmax(logits_SV, axis=-1).astype(jnp.int32)
+  acc = valid_S & (d_S == g[:k])
   n_acc = jnp.sum(jnp.cumprod(acc.astype(jnp.int32)))
   return n_acc, g[n_acc]
 
 
-def verify_sample(p_KV, q_kV, d_K, valid_K, key):
+def verify_sample(p_SV, q_SV, d_S, valid_S, key):
   """Rejection-sampling verification (the emitted tokens have the target distribution p).
 
   p: [k+1, V] target distributions at positions P .. P+k; q: [k, V] the drafter's proposal distributions
   (one-hot for deterministic drafters, zero rows for missing drafts); d: [k] drafts. Draft i is accepted with
   probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn from the normalised
   residual max(p - q, 0), after k acceptances from p_k. Returns (n_acc, next token)."""
-  k = d_K.shape[0]
+  k = d_S.shape[0]
   k_acc, k_res = jax.random.split(key)
-  pd = jnp.take_along_axis(p_KV[:k], d_K[:, None], axis=-1)[:, 0]
-  qd = jnp.take_along_axis(q_kV, d_K[:, None], axis=-1)[:, 0]
+  pd = jnp.take_along_axis(p_SV[:k], d_S[:, None], axis=-1)[:, 0]
+  qd = jnp.take_along_axis(q_SV, d_S[:, None], axis=-1)[:, 0]
   u = jax.random.uniform(k_acc, (k,))
-  acc = valid_K & (u * qd < pd)
+  acc = valid_S & (u * qd < pd)
   n_acc = jnp.sum(jnp.cumprod(acc.astype(jnp.int32)))
-  pr = p_KV[n_acc]
-  qr = jnp.where(n_acc < k, q_kV[jnp.minimum(n_acc, k - 1)], 0.0)
+  pr = p_SV[n_acc]
+  qr = jnp.where(n_acc < k, q_SV[jnp.minimum(n_acc, k - 1)], 0.0)
   res = jnp.maximum(pr - qr, 0.0)
   tot = jnp.sum(res)
   res = jnp.where(tot > 0, res / jnp.where(tot > 0, tot, 1.0), pr)
