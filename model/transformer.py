@@ -32,10 +32,12 @@ from model.options import DEFAULT, Options
 from ops import attention as attn_ops
 from ops import moe as moe_ops
 from ops import rope_write_pallas, router_pallas
+from ops import rmsnorm_pallas
 from ops.rmsnorm_pallas import add_rms_norm
 from ops.layers import linear, rms_norm, rope_neox, swiglu
 from ops.qtensor import QTensor
 from ops.tuning import pick
+
 
 def _rope(x_THDh, pos_T, c: ModelConfig):
   """RoPE in the model's mode: NEOX over the first rope_dim dims, or llama.cpp's IMROPE on text positions (qwen35moe):
@@ -92,8 +94,8 @@ class Attention(nn.Module):
       q, k, v = self._linear(x_TD, wq, bq), self._linear(x_TD, wk, bk), self._linear(x_TD, wv, bv)
     q, k, v = q.reshape(T, H, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dh)
     if c.qk_norm:
-      q = rms_norm(q, _param(self, "q_norm", _ones, (Dh,)), c.rms_eps)
-      k = rms_norm(k, _param(self, "k_norm", _ones, (Dh,)), c.rms_eps)
+      q = self._head_norm(q, _param(self, "q_norm", _ones, (Dh,)), cache)
+      k = self._head_norm(k, _param(self, "k_norm", _ones, (Dh,)), cache)
     q = _rope(q, pos_T + self.rope_offset, c)
     k = _rope(k, pos_T + self.rope_offset, c)
     if cache is None:
@@ -104,6 +106,17 @@ class Attention(nn.Module):
 
   def _linear(self, x, w, b=None):
     return _op(self.opts, "linear", linear)(x, w, b)
+
+  def _head_norm(self, x_THDh, w_Dh, cache):
+    """The per-head q/k RMSNorm where the fused rope + write kernel does not take the shape: in decode and verify
+    passes on the RMSNorm kernel (one program per token and head, batch-invariant) when the block's weights run
+    the kernels, else the jnp op."""
+    T, H, Dh = x_THDh.shape
+    impl = glue_impl(self.variables.get("params", {}), self.opts) if cache is not None else "ref"
+    if impl != "ref" and T <= rmsnorm_pallas.MAX_T and Dh & (Dh - 1) == 0:
+      return rmsnorm_pallas.rms_norm_pallas(x_THDh.reshape(T * H, Dh), w_Dh, self.cfg.rms_eps,
+                                            interpret=impl == "interpret").reshape(T, H, Dh)
+    return rms_norm(x_THDh, w_Dh, self.cfg.rms_eps)
 
   def _fused_qkv(self, x_TD):
     return self._linear(x_TD, self.get_variable("params", "wqkv"),
