@@ -74,3 +74,15 @@ def test_speculative_with_a_host_tier_equals_plain_greedy(drafter):
                            stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
                            replay_ids=_corrupt(plain) if drafter == "partial" else None)
   assert r.ids == plain
+
+
+def test_sampled_verification_with_rollback_equals_greedy_under_a_one_token_nucleus():
+  """The sampled path (drafts and targets as distributions, rejection-sampling verification, the rollback of the
+  recurrent state by the accepted length): with a nucleus that keeps only the top token both distributions are
+  one-hot, so the emitted tokens must be plain greedy decoding's, with partial acceptance on the way."""
+  m = _model("qwen35moe")
+  plain = list(_plain("qwen35moe", "bf16"))
+  r = speculative_generate(m, _prompt(), drafter="replay", k=3, max_new_tokens=N_NEW, stop_at_eos=False, kv="bf16",
+                           kv_resident=1024, temperature=0.7, top_p=1e-6, seed=3, replay_ids=_corrupt(plain))
+  assert r.ids == plain
+  assert 0 < sum(r.stats["drafts_accepted"]) < sum(r.stats["drafts_proposed"])
