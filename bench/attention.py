@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
+from decode import cli
 from ops import attention, attention_pallas
 
 FLAGS = flags.FLAGS
@@ -190,4 +191,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)                    # expected failures: one line, exit 1 (decode.cli)

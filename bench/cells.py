@@ -10,7 +10,8 @@ its log, `<cells>.logs/<arm>-s<seed>.log` (the request, the plan's table, what t
 result; the first seed's log also holds the compiling run), named by the record's "log".
 The table shows the median decode tok/s over seeds, the drafts of every seed, the expert-cache hit rate, and
 for drafted arms the speed-up over the matching plain arm beside what the byte ratio predicts; pre-declared bars
-are evaluated and printed; a PNG plots tok/s against depth.
+are evaluated and printed; a PNG plots tok/s against depth. A refused request or plan fails its arm (one line, the
+other arms run); any other expected failure exits 1 with one line (decode.cli).
 
   python -m bench.cells --arms seed4 --preset seed-mtp --cells /tmp/seed4.jsonl        # the seed's experiment
   python -m bench.cells --gguf m.gguf --rings 4096,32768 --drafts none,lookup --depths 1024,8192
@@ -31,6 +32,8 @@ import time
 
 from absl import app, flags, logging
 
+from decode import cli
+from decode.cli import CLIError
 from ops.attention_pallas import is_spec
 
 FLAGS = flags.FLAGS
@@ -167,8 +170,8 @@ def _text_tokens(model, n: int, seed: int) -> list[int]:
   if len(ids) < n:
     ids = stream(None)
   if len(ids) < n:
-    raise ValueError(f"--prompt_source text: depth {n} exceeds the {len(ids)} tokens of the documentation topics; "
-                     f"use --prompt_source synthetic for deeper cells")
+    raise CLIError(f"--prompt_source text: depth {n} exceeds the {len(ids)} tokens of the documentation topics; "
+                   f"use --prompt_source synthetic for deeper cells")
   start = (abs(seed) * 7919 * 13) % max(1, len(ids) - n)
   return ids[start:start + n]
 
@@ -437,11 +440,11 @@ def report(paths: list[str]) -> str:
         try:
           r = json.loads(line)
         except json.JSONDecodeError as e:
-          raise ValueError(f"{p}:{n}: not a JSON record ({e.msg})") from None
+          raise CLIError(f"{p}:{n}: not a JSON record ({e.msg})") from None
         if (r.get("arm"), r.get("config", {}).get("depth")) in want:
           kept[(r["arm"], r.get("seed"))] = r
   if not kept:
-    raise ValueError(f"--report {','.join(paths)}: no record of the arms {sorted(n for n, _ in want)}")
+    raise CLIError(f"--report {','.join(paths)}: no record of the arms {sorted(n for n, _ in want)}")
   records = list(kept.values())
   runs = {(r.get("commit"), r.get("device")) for r in records}
   lines = [f"{len(records)} records from {len(paths)} files; commit/device: "
@@ -456,11 +459,8 @@ def report(paths: list[str]) -> str:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  if FLAGS.report:
-    try:
-      print(report(FLAGS.report))
-    except (OSError, ValueError) as e:            # a missing or broken record file: one line, no traceback
-      sys.exit(f"bench.cells: {e}")
+  if FLAGS.report:                                # a missing or broken record file: one line (the edge's catch)
+    print(report(FLAGS.report))
     return
   from tqdm import tqdm
 
@@ -476,7 +476,10 @@ def main(argv):
     os.makedirs(FLAGS.synth_dir, exist_ok=True)
     path = os.path.join(FLAGS.synth_dir, f"{FLAGS.preset}-{FLAGS.experts}.gguf")
     if not os.path.isfile(path):
-      synth.write(FLAGS.preset, path, experts=FLAGS.experts)
+      try:
+        synth.write(FLAGS.preset, path, experts=FLAGS.experts)
+      except synth.SynthError as e:
+        raise CLIError(f"--experts {FLAGS.experts}: {e}") from None
   if not path or not path.startswith("in-memory"):
     path = path or default_model_path()
     model = load_model(path)
@@ -524,7 +527,7 @@ def main(argv):
         records.append(rec)
         out.write(json.dumps(rec) + "\n")
         out.flush()
-      except ValueError as e:
+      except cli.expected_errors() as e:         # a refused request or plan fails its arm; the others still run
         failed.add(arm.name)
         with cell_log(log_path):
           CELL_LOG.error("cell %s: %s", arm.name, str(e).splitlines()[0])
@@ -541,4 +544,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -22,6 +22,7 @@ import time
 
 from absl import app, flags, logging
 
+from decode import cli
 from ops.attention_pallas import DOTS, is_spec
 
 FLAGS = flags.FLAGS
@@ -273,4 +274,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)                    # expected failures: one line, exit 1 (decode.cli)

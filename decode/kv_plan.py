@@ -22,6 +22,7 @@ decode.kv_plan.PlanError: memory plan: 25.80 GiB on the device exceeds the budge
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from model.config import ModelConfig
@@ -35,14 +36,19 @@ class PlanError(ValueError):
 
 
 def parse_bytes(s: str | int | None) -> int | None:
-  """'24GiB', '24G', '512MiB', '1e9' or an int -> bytes."""
+  """'24GiB', '24G', '512MiB', '1e9' or an int -> bytes; anything else (or under one byte) is a PlanError."""
   if s is None or isinstance(s, int):
     return s
   m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?B?)\s*", s)
-  if not m:
-    raise ValueError(f"--device_budget: {s!r}, expected a size such as 24GiB")
-  mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
-  return int(float(m.group(1)) * mult)
+  v = math.nan
+  if m:
+    try:
+      v = float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)]
+    except ValueError:                      # a number float() refuses ("1.2.3")
+      pass
+  if not math.isfinite(v) or v < 1:
+    raise PlanError(f"--device_budget: {s!r}, expected a size such as 24GiB")
+  return int(v)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, n_layers: int, kv: str) -> int:
@@ -163,6 +169,28 @@ def device_budget(flag: str | None) -> int | None:
     return None
 
 
+def host_memory() -> int | None:
+  """The host's physical memory in bytes (None where the OS does not say)."""
+  import os
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_host_memory(plan: MemoryPlan, limit: int | None = None) -> MemoryPlan:
+  """A plan without a device budget (CPU, where device memory is host memory) refused when all its items, device
+  and host, exceed `limit` (default: host_memory()): a PlanError naming the largest items."""
+  limit = host_memory() if limit is None else limit
+  total = sum(i.bytes for i in plan.items)
+  if limit is not None and total > limit:
+    big = sorted(plan.items, key=lambda i: -i.bytes)[:3]
+    names = ", ".join(f"{i.name} {i.bytes / GiB:.2f} GiB" for i in big)
+    raise PlanError(f"memory plan: {total / GiB:.2f} GiB exceeds the host's memory {limit / GiB:.2f} GiB (no device "
+                    f"budget on CPU; largest: {names})")
+  return plan
+
+
 def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_window: int | None, k: int,
                  expert_cache: str = "all", budget: int | None = None, prefill_chunk: int = 1024,
                  cached_chunk: int | None = None, fixed_ring: bool = True) -> tuple[MemoryPlan, int | None]:
@@ -192,6 +220,9 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   else:
     slots = int(expert_cache)
   if slots < model.cfg.top_k:
+    if budget is None:
+      raise PlanError(f"memory plan: {slots} expert slots < top_k {model.cfg.top_k} (a token's experts must all be "
+                      f"resident)")
     raise PlanError(f"memory plan: {slots} expert slots < top_k {model.cfg.top_k} (budget {budget / GiB:.2f} GiB "
-                    f"leaves {max(0, (budget or 0) - make_plan(model.cfg, **cached, expert_cache_bytes=0).device_bytes) / GiB:.2f} GiB for experts)")
+                    f"leaves {max(0, budget - make_plan(model.cfg, **cached, expert_cache_bytes=0).device_bytes) / GiB:.2f} GiB for experts)")
   return make_plan(model.cfg, **cached, expert_cache_bytes=slots * slab).check(), slots

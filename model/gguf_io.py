@@ -6,6 +6,7 @@ and what was expected.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -24,10 +25,24 @@ _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8} 
 _STRING, _ARRAY = 8, 9
 
 
-def check_layout(path: str) -> None:
-  """Walk the header (without gguf-py) and check that every tensor's bytes lie inside the file.
+MAX_LAYERS = 512          # llama.cpp 0.3.36 LLAMA_MAX_LAYERS: block_count in [1, 512]
+MAX_EXPERTS = 1024        # llama.cpp 0.3.36 LLAMA_MAX_EXPERTS
+MAX_NAME = 64             # ggml's GGML_MAX_NAME: a tensor name is shorter
+MAX_DIMS = 4              # ggml's GGML_MAX_DIMS
+_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+               8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
 
-  gguf-py fails on short files with whatever numpy error the first bad view raises; this names the problem.
+
+def check_layout(path: str) -> int:
+  """Walk the header (without gguf-py) and check it as llama.cpp 0.3.36's gguf.cpp does; return the data section's
+  start (the header's length, padded to the alignment).
+
+  Checked: version 2 or 3; counts that fit the bytes left; non-empty, unique keys of known value types;
+  `general.alignment` a uint32 power of two; per tensor a name shorter than 64 bytes and unique, at most 4
+  dimensions, an element count below 2^63, rows a multiple of its type's block size, an offset that is a multiple
+  of the alignment, bytes inside the file and overlapping no other tensor's. gguf-py fails on short files with
+  whatever numpy error the first bad view raises, and takes misaligned or overlapping tensors as they are; this
+  names the problem.
   """
   import struct
 
@@ -37,11 +52,14 @@ def check_layout(path: str) -> None:
     buf = f.read(min(size, 64 << 20))
   pos = 0
 
+  def truncated(need: int) -> GGUFError:
+    what = "header" if len(buf) == size else "header (over 64 MiB)"
+    return GGUFError(f"{path}: truncated GGUF ({size} bytes): the {what} ends at byte {len(buf)}, needed {need}")
+
   def take(n: int) -> bytes:
     nonlocal pos
     if pos + n > len(buf):
-      what = "header" if len(buf) == size else "header (over 64 MiB)"
-      raise GGUFError(f"{path}: truncated GGUF ({size} bytes): the {what} ends at byte {len(buf)}, needed {pos + n}")
+      raise truncated(pos + n)
     b = buf[pos:pos + n]
     pos += n
     return b
@@ -49,16 +67,31 @@ def check_layout(path: str) -> None:
   u32 = lambda: struct.unpack("<I", take(4))[0]  # noqa: E731
   u64 = lambda: struct.unpack("<Q", take(8))[0]  # noqa: E731
 
+  def need(count: int, each: int) -> None:        # count items of at least `each` bytes must fit what is left
+    if count * each > len(buf) - pos:
+      raise truncated(pos + count * each)
+
+  def text(what: str) -> str:                      # a key or tensor name: UTF-8, as gguf-py reads it
+    raw = take(u64())
+    try:
+      return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise GGUFError(f"{path}: corrupt GGUF: {what} {raw[:40]!r} is not valid UTF-8 (byte {e.start})") from None
+
   def skip_value(vt: int) -> None:
     if vt == _STRING:
       take(u64())
     elif vt == _ARRAY:
       sub, n = u32(), u64()
       if sub in _SCALAR:
+        need(n, _SCALAR[sub])
         take(_SCALAR[sub] * n)
-      else:
+      elif sub in (_STRING, _ARRAY):
+        need(n, 8 if sub == _STRING else 12)
         for _ in range(n):
           skip_value(sub)
+      else:
+        raise GGUFError(f"{path}: corrupt GGUF: unknown metadata array element type {sub}")
     elif vt in _SCALAR:
       take(_SCALAR[vt])
     else:
@@ -69,18 +102,39 @@ def check_layout(path: str) -> None:
   if version not in (2, 3):
     raise GGUFError(f"{path}: GGUF version {version}, expected 2 or 3")
   n_tensors, n_kv = u64(), u64()
+  need(n_kv, 8 + 4 + 1)                            # a key (length, >= 1 byte) and its value type
   alignment = 32
-  for _ in range(n_kv):
-    key = take(u64()).decode("utf-8", "replace")
+  keys: set[str] = set()
+  for i in range(n_kv):
+    key = text(f"metadata key {i}")
+    if not key:
+      raise GGUFError(f"{path}: corrupt GGUF: metadata key {i} is empty")
+    if key in keys:
+      raise GGUFError(f"{path}: corrupt GGUF: duplicate metadata key '{key}'")
+    keys.add(key)
     vt = u32()
-    if key == "general.alignment" and vt == 4:
+    if key == "general.alignment":
+      if vt != 4:
+        raise GGUFError(f"{path}: key 'general.alignment' is of type {_TYPE_NAMES.get(vt, vt)}, expected uint32")
       alignment = u32()
+      if alignment == 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: key 'general.alignment' is {alignment}, expected a power of two")
     else:
       skip_value(vt)
+  need(n_tensors, 8 + 4 + 4 + 8)                   # name length, n_dims, type, offset
   infos = []
-  for _ in range(n_tensors):
-    name = take(u64()).decode("utf-8", "replace")
-    dims = [u64() for _ in range(u32())]
+  names: set[str] = set()
+  for i in range(n_tensors):
+    name = text(f"the name of tensor {i}")
+    if len(name.encode("utf-8")) >= MAX_NAME:
+      raise GGUFError(f"{path}: tensor name '{name[:80]}' is {len(name)} bytes long, expected fewer than {MAX_NAME}")
+    if name in names:
+      raise GGUFError(f"{path}: corrupt GGUF: duplicate tensor name '{name}'")
+    names.add(name)
+    nd = u32()
+    if nd > MAX_DIMS:
+      raise GGUFError(f"{path}: tensor '{name}' has {nd} dimensions, expected at most {MAX_DIMS}")
+    dims = [u64() for _ in range(nd)]
     tid, off = u32(), u64()
     try:
       qt = gguf.GGMLQuantizationType(tid)
@@ -90,27 +144,63 @@ def check_layout(path: str) -> None:
     n = 1
     for d in dims:
       n *= d
+    if n >= 1 << 63:
+      raise GGUFError(f"{path}: tensor '{name}' has shape {dims}: {n} elements, expected fewer than 2^63")
+    if dims and dims[0] % bs:
+      raise GGUFError(f"{path}: tensor '{name}' of type {qt.name} has {dims[0]} elements per row, expected a "
+                      f"multiple of its block size {bs}")
+    if off % alignment:
+      raise GGUFError(f"{path}: tensor '{name}' has offset {off}, expected a multiple of general.alignment "
+                      f"{alignment}")
     infos.append((name, off, n // bs * ts))
   start = (pos + alignment - 1) // alignment * alignment
   for name, off, nbytes in infos:
     if start + off + nbytes > size:
       raise GGUFError(f"{path}: truncated GGUF ({size} bytes): tensor '{name}' needs bytes up to {start + off + nbytes}")
+  by_off = sorted(infos, key=lambda t: (t[1], t[2]))
+  for (a, off_a, nb_a), (b, off_b, _) in zip(by_off, by_off[1:]):
+    if off_a + nb_a > off_b:
+      raise GGUFError(f"{path}: tensor '{a}' (data bytes {off_a}..{off_a + nb_a}) overlaps tensor '{b}' (from "
+                      f"{off_b}), expected each tensor's bytes apart")
+  return start
+
+
+def open_checked(path: str):
+  """`path` opened for reading (binary), or a GGUFError naming why not: missing, a directory, unreadable."""
+  if os.path.isdir(path):
+    raise GGUFError(f"{path}: is a directory, expected a GGUF file")
+  if not os.path.exists(path):
+    raise GGUFError(f"{path}: no such file")
+  try:
+    return open(path, "rb")
+  except OSError as e:
+    raise GGUFError(f"{path}: cannot read the file ({e.strerror or type(e).__name__})") from None
+
+
+def identity(path: str, data_start: int) -> dict:
+  """What identifies a file's contents cheaply: its size, mtime and the SHA-256 of its first `data_start` bytes
+  (the header and the tensor table)."""
+  import hashlib
+  st = os.stat(path)
+  with open_checked(path) as f:
+    head = f.read(data_start)
+  return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "data_start": data_start,
+          "header_sha256": hashlib.sha256(head).hexdigest()}
 
 
 class GGUFFile:
-  """Metadata (`md`: key -> python value) and tensors (`tensors`: name -> gguf ReaderTensor) of one file."""
+  """Metadata (`md`: key -> python value) and tensors (`tensors`: name -> gguf ReaderTensor) of one file;
+  `data_start`: where its data section starts (check_layout)."""
 
   def __init__(self, path: str | os.PathLike):
     import gguf  # gguf-py: parses the container; we validate what it returns
     self.path = str(path)
-    if not os.path.isfile(self.path):
-      raise GGUFError(f"{self.path}: no such file")
-    with open(self.path, "rb") as f:
+    with open_checked(self.path) as f:
       magic = f.read(4)
     if magic != b"GGUF":
       raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     size = os.path.getsize(self.path)
-    check_layout(self.path)
+    self.data_start = check_layout(self.path)
     try:
       r = gguf.GGUFReader(self.path)
     except Exception as e:  # gguf-py raises ValueError / IndexError / struct errors on short or bad files
@@ -124,8 +214,11 @@ class GGUFFile:
     for name, field in r.fields.items():
       if name.startswith("GGUF."):
         continue
-      v = field.contents()
-      self.md[name] = v
+      try:
+        self.md[name] = field.contents()
+      except UnicodeDecodeError as e:
+        raise GGUFError(f"{self.path}: key '{name}' holds a string that is not valid UTF-8 ({e.reason} at byte "
+                        f"{e.start})") from None
     self.tensors = {t.name: t for t in r.tensors}
     for t in r.tensors:
       if t.data_offset + t.n_bytes > size:
@@ -164,8 +257,63 @@ class GGUFFile:
     return qtype, t.data
 
 
+def _range(lo: int, hi: int | None) -> str:
+  return f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+
+
+def _int_key(f: GGUFFile, key: str, default: int | None = None, lo: int = 1, hi: int | None = None,
+             why: str = "") -> int:
+  """Int key `key` (required when `default` is None), checked to lie in [lo, hi]; `why` says where hi comes from."""
+  v = f.require(key, int) if default is None or key in f.md else default
+  if v < lo or hi is not None and v > hi:
+    got = f"is {v}" if key in f.md else f"is absent (default {v})"
+    raise GGUFError(f"{f.path}: key '{key}' {got}, expected {_range(lo, hi)}{f' ({why})' if why else ''}")
+  return v
+
+
+def _positive_key(f: GGUFFile, key: str, default: float | None = None, kind: type | tuple = (int, float)) -> float:
+  """A number key (required when `default` is None), checked to be finite and > 0."""
+  v = f.require(key, kind) if default is None or key in f.md else default
+  if not math.isfinite(v) or v <= 0:
+    raise GGUFError(f"{f.path}: key '{key}' is {v}, expected a finite number > 0")
+  return float(v)
+
+
+def _bool_key(f: GGUFFile, key: str, default: bool) -> bool:
+  v = f.get(key, default)
+  if not isinstance(v, (bool, int)) or v not in (0, 1):
+    raise GGUFError(f"{f.path}: key '{key}' is {v!r}, expected a bool")
+  return bool(v)
+
+
+def _heads(f: GGUFFile, k, n_heads: int, n_kv: int) -> None:
+  if n_heads % n_kv:
+    raise GGUFError(f"{f.path}: key '{k('attention.head_count')}' / '{k('attention.head_count_kv')}' are "
+                    f"{n_heads} / {n_kv}, expected head_count a multiple of head_count_kv")
+
+
+def _rope_dim(f: GGUFFile, k, head_dim: int) -> int:
+  rope_dim = _int_key(f, k("rope.dimension_count"), head_dim, lo=2, hi=head_dim, why="attention.key_length")
+  if rope_dim % 2:
+    raise GGUFError(f"{f.path}: key '{k('rope.dimension_count')}' is {rope_dim}, expected an even number")
+  return rope_dim
+
+
+def _config(f: GGUFFile, **kw) -> ModelConfig:
+  """ModelConfig(**kw); its own checks (which the keys' checks above should make unreachable) as a GGUFError."""
+  try:
+    return ModelConfig(**kw)
+  except ValueError as e:
+    raise GGUFError(f"{f.path}: {str(e).splitlines()[0]}") from None
+
+
 def read_config(f: GGUFFile) -> ModelConfig:
-  """ModelConfig from metadata (and, for optional features, from which tensors exist)."""
+  """ModelConfig from metadata (and, for optional features, from which tensors exist).
+
+  Every key is checked as llama.cpp 0.3.36 checks it, before any per-layer work: block_count in [1, 512],
+  nextn_predict_layers below it, head counts >= 1 with head_count a multiple of head_count_kv, expert_count in
+  [1, 1024] and expert_used_count in [1, expert_count], widths >= 1, RMS epsilon and RoPE base finite and > 0,
+  rope.dimension_count even and at most the head dim."""
   arch = f.get("general.architecture")
   if arch is None:
     raise GGUFError(f"{f.path}: missing required key 'general.architecture'")
@@ -174,46 +322,56 @@ def read_config(f: GGUFFile) -> ModelConfig:
   if arch in HYBRID_ARCHS:
     return _read_hybrid_config(f, arch)
   k = lambda s: f"{arch}.{s}"  # noqa: E731
-  n_blocks = f.require(k("block_count"), int)
-  n_nextn = int(f.get(k("nextn_predict_layers"), 0) or 0)
-  d_model = f.require(k("embedding_length"), int)
-  n_heads = f.require(k("attention.head_count"), int)
-  n_kv = f.require(k("attention.head_count_kv"), int)
-  head_dim = int(f.get(k("attention.key_length"), d_model // n_heads))
+  n_blocks = _int_key(f, k("block_count"), hi=MAX_LAYERS, why="llama.cpp's LLAMA_MAX_LAYERS")
+  n_nextn = _int_key(f, k("nextn_predict_layers"), 0, lo=0, hi=n_blocks - 1, why=f"below block_count {n_blocks}")
+  n_layers = n_blocks - n_nextn
+  d_model = _int_key(f, k("embedding_length"))
+  n_heads = _int_key(f, k("attention.head_count"))
+  n_kv = _int_key(f, k("attention.head_count_kv"), hi=n_heads, why="attention.head_count")
+  _heads(f, k, n_heads, n_kv)
+  head_dim = _int_key(f, k("attention.key_length"), d_model // n_heads)
+  rope_dim = _rope_dim(f, k, head_dim)
   vocab = _vocab_size(f)
-  n_experts = f.require(k("expert_count"), int)
-  top_k = f.require(k("expert_used_count"), int)
-  d_ff_exp = f.require(k("expert_feed_forward_length"), int)
+  n_experts = _int_key(f, k("expert_count"), hi=MAX_EXPERTS, why="llama.cpp's LLAMA_MAX_EXPERTS")
+  top_k = _int_key(f, k("expert_used_count"), hi=n_experts, why=f"expert_count {n_experts}")
+  d_ff_exp = _int_key(f, k("expert_feed_forward_length"))
   kw: dict[str, Any] = {}
   if arch == "glm4moe":
-    gating = int(f.get(k("expert_gating_func"), 2) or 2)
+    gating = _int_key(f, k("expert_gating_func"), 2, lo=0) or 2
     if gating != 2:
       raise GGUFError(f"{f.path}: key '{k('expert_gating_func')}' is {gating}, expected 2 (sigmoid)")
-    n_shared = int(f.get(k("expert_shared_count"), 0))
-    kw.update(routing="sigmoid", norm_topk=bool(f.get(k("expert_weights_norm"), False)),
-              routed_scale=float(f.get(k("expert_weights_scale"), 1.0)), n_dense_lead=int(f.get(k("leading_dense_block_count"), 0)),
+    n_shared = _int_key(f, k("expert_shared_count"), 0, lo=0)
+    kw.update(routing="sigmoid", norm_topk=_bool_key(f, k("expert_weights_norm"), False),
+              routed_scale=_positive_key(f, k("expert_weights_scale"), 1.0),
+              n_dense_lead=_int_key(f, k("leading_dense_block_count"), 0, lo=0, hi=n_layers,
+                                    why=f"trunk blocks {n_layers}"),
               n_shared_experts=n_shared, d_ff_shared=d_ff_exp * n_shared)
   elif arch == "qwen3moe":
     kw.update(routing="softmax", norm_topk=True)
   else:  # qwen2moe
     has_sh = "blk.0.ffn_gate_inp_shexp.weight" in f.tensors
     kw.update(routing="softmax", norm_topk=False, shared_expert_gate=has_sh, n_shared_experts=int(has_sh),
-              d_ff_shared=int(f.get(k("expert_shared_feed_forward_length"), 0)))
+              d_ff_shared=_int_key(f, k("expert_shared_feed_forward_length"), 0, lo=int(has_sh)))
   if kw.get("n_dense_lead"):
-    kw["d_ff"] = f.require(k("feed_forward_length"), int)
-  return ModelConfig(
-      arch=arch, vocab_size=vocab, d_model=d_model, n_layers=n_blocks - n_nextn, n_heads=n_heads, n_kv_heads=n_kv,
-      head_dim=head_dim, rope_dim=int(f.get(k("rope.dimension_count"), head_dim)),
-      rope_theta=float(f.get(k("rope.freq_base"), 10000.0)), rms_eps=float(f.require(k("attention.layer_norm_rms_epsilon"), float)),
+    kw["d_ff"] = _int_key(f, k("feed_forward_length"))
+  return _config(
+      f, arch=arch, vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+      head_dim=head_dim, rope_dim=rope_dim, rope_theta=_positive_key(f, k("rope.freq_base"), 10000.0),
+      rms_eps=_positive_key(f, k("attention.layer_norm_rms_epsilon"), kind=float),
       n_experts=n_experts, top_k=top_k, d_ff_expert=d_ff_exp, n_nextn=n_nextn,
       qk_norm="blk.0.attn_q_norm.weight" in f.tensors, qkv_bias="blk.0.attn_q.bias" in f.tensors,
-      tied_embeddings="output.weight" not in f.tensors, context_length=int(f.get(k("context_length"), 4096)), **kw)
+      tied_embeddings="output.weight" not in f.tensors, context_length=_int_key(f, k("context_length"), 4096),
+      **kw)
 
 
 def _vocab_size(f: GGUFFile) -> int:
   if "token_embd.weight" not in f.tensors:
     raise GGUFError(f"{f.path}: missing tensor 'token_embd.weight'")
-  vocab = int(f.tensors["token_embd.weight"].shape[1])
+  shape = f.tensors["token_embd.weight"].shape
+  if len(shape) != 2 or not shape[1]:
+    raise GGUFError(f"{f.path}: tensor 'token_embd.weight' has GGUF shape {shape.tolist()}, expected [embedding_length, "
+                    f"vocab] with vocab >= 1")
+  vocab = int(shape[1])
   toks = f.get("tokenizer.ggml.tokens")
   if toks is not None and len(toks) != vocab:
     raise GGUFError(f"{f.path}: key 'tokenizer.ggml.tokens' has {len(toks)} entries, expected {vocab} (token_embd rows)")
@@ -238,13 +396,10 @@ def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
   """qwen3next / qwen35moe as llama.cpp 0.3.36 reads them (src/models/{qwen3next,qwen35moe}.cpp
   load_arch_hparams, llama-model.cpp load_hparams)."""
   k = lambda s: f"{arch}.{s}"  # noqa: E731
-  n_blocks = f.require(k("block_count"), int)
-  n_nextn = int(f.get(k("nextn_predict_layers"), 0) or 0)
-  if not 0 <= n_nextn < n_blocks:
-    raise GGUFError(f"{f.path}: key '{k('nextn_predict_layers')}' is {n_nextn}, expected 0 <= n < block_count "
-                    f"{n_blocks}")
+  n_blocks = _int_key(f, k("block_count"), hi=MAX_LAYERS, why="llama.cpp's LLAMA_MAX_LAYERS")
+  n_nextn = _int_key(f, k("nextn_predict_layers"), 0, lo=0, hi=n_blocks - 1, why=f"below block_count {n_blocks}")
   n_layers = n_blocks - n_nextn
-  d_model = f.require(k("embedding_length"), int)
+  d_model = _int_key(f, k("embedding_length"))
   rkey = k("attention.recurrent_layers")
   if rkey in f.md:
     arr = f.md[rkey]
@@ -271,26 +426,22 @@ def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
     if (heads[i], kvh[i]) != (n_heads, n_kv):
       raise GGUFError(f"{f.path}: attention block {i} has {heads[i]}/{kvh[i]} heads, expected the same "
                       f"{n_heads}/{n_kv} in every attention block")
-  if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv:
-    raise GGUFError(f"{f.path}: key '{k('attention.head_count')}' / '{k('attention.head_count_kv')}' are "
-                    f"{n_heads} / {n_kv}, expected positive with head_count a multiple of head_count_kv")
-  head_dim = int(f.get(k("attention.key_length"), d_model // n_heads))
-  head_dim_v = int(f.get(k("attention.value_length"), d_model // n_heads))
+  for key, v in ((k("attention.head_count"), n_heads), (k("attention.head_count_kv"), n_kv)):
+    if v < 1:
+      raise GGUFError(f"{f.path}: key '{key}' is {v} for attention block {attn[0]}, expected an int >= 1")
+  _heads(f, k, n_heads, n_kv)
+  head_dim = _int_key(f, k("attention.key_length"), d_model // n_heads)
+  head_dim_v = _int_key(f, k("attention.value_length"), d_model // n_heads)
   if head_dim_v != head_dim:
     raise GGUFError(f"{f.path}: key '{k('attention.value_length')}' is {head_dim_v}, expected key_length {head_dim}")
-  rope_dim = int(f.get(k("rope.dimension_count"), head_dim))
-  if rope_dim % 2 or not 0 < rope_dim <= head_dim:
-    raise GGUFError(f"{f.path}: key '{k('rope.dimension_count')}' is {rope_dim}, expected even and <= {head_dim}")
+  rope_dim = _rope_dim(f, k, head_dim)
   vocab = _vocab_size(f)
-  n_experts = f.require(k("expert_count"), int)
-  top_k = f.require(k("expert_used_count"), int)
-  if n_experts <= 0 or not 0 < top_k <= n_experts:
-    raise GGUFError(f"{f.path}: key '{k('expert_count')}' / '{k('expert_used_count')}' are {n_experts} / {top_k}, "
-                    f"expected experts > 0 and 0 < used <= experts")
+  n_experts = _int_key(f, k("expert_count"), hi=MAX_EXPERTS, why="llama.cpp's LLAMA_MAX_EXPERTS")
+  top_k = _int_key(f, k("expert_used_count"), hi=n_experts, why=f"expert_count {n_experts}")
   n_ff = _int_list(f, k("feed_forward_length"), n_blocks, "block_count")[0] if k("feed_forward_length") in f.md else 0
-  d_ff_exp = f.require(k("expert_feed_forward_length"), int) if k("expert_feed_forward_length") in f.md else 0
+  d_ff_exp = _int_key(f, k("expert_feed_forward_length"), 0, lo=0)
   d_ff_exp = d_ff_exp or n_ff // top_k                # llama.cpp: n_ff_exp, else n_ff / n_expert_used
-  d_ff_sh = int(f.get(k("expert_shared_feed_forward_length"), 0) or 0) or n_ff   # llama.cpp: n_ff_shexp, else n_ff
+  d_ff_sh = _int_key(f, k("expert_shared_feed_forward_length"), 0, lo=0) or n_ff   # llama.cpp: n_ff_shexp, else n_ff
   for key, v in (("expert_feed_forward_length", d_ff_exp), ("expert_shared_feed_forward_length", d_ff_sh)):
     if v <= 0:
       raise GGUFError(f"{f.path}: missing required key '{k(key)}' (nor a '{k('feed_forward_length')}' to derive it "
@@ -322,13 +473,13 @@ def _read_hybrid_config(f: GGUFFile, arch: str) -> ModelConfig:
       raise GGUFError(f"{f.path}: key '{skey}' is {sec}, expected counts >= 0, one of the first three > 0 and a sum "
                       f"<= rope.dimension_count {rope_dim}")
     kw.update(rope_mode="imrope", rope_sections=tuple(sec))
-  return ModelConfig(
-      arch=arch, vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-      head_dim=head_dim, rope_dim=rope_dim, rope_theta=float(f.get(k("rope.freq_base"), 10000.0)),
-      rms_eps=float(f.require(k("attention.layer_norm_rms_epsilon"), float)), n_experts=n_experts, top_k=top_k,
+  return _config(
+      f, arch=arch, vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+      head_dim=head_dim, rope_dim=rope_dim, rope_theta=_positive_key(f, k("rope.freq_base"), 10000.0),
+      rms_eps=_positive_key(f, k("attention.layer_norm_rms_epsilon"), kind=float), n_experts=n_experts, top_k=top_k,
       d_ff_expert=d_ff_exp, n_shared_experts=1, d_ff_shared=d_ff_sh, shared_expert_gate=True,
       routing="softmax", norm_topk=True, qk_norm=True, n_nextn=n_nextn,
-      tied_embeddings="output.weight" not in f.tensors, context_length=int(f.get(k("context_length"), 4096)),
+      tied_embeddings="output.weight" not in f.tensors, context_length=_int_key(f, k("context_length"), 4096),
       recurrent=recurrent, attn_output_gate=True, **ssm, **kw)
 
 
@@ -498,15 +649,36 @@ def to_params(c: ModelConfig, path: tuple[str, ...], qtype: str, data: np.ndarra
           for key, rows in split.items()]
 
 
+# 2-D float tensors small enough to check at load beside every 1-D one (norms, biases, ssm_a, ssm_dt): the routers
+# and the DeltaNet conv. A non-finite value in the big matrices shows in the logits, which the decode loops check.
+SMALL_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+
+def check_finite(f: GGUFFile, name: str, qtype: str, data: np.ndarray) -> None:
+  """A GGUFError naming the first NaN / Inf of float tensor `name` (F32, F16 or BF16 data as gguf-py gives it)."""
+  if qtype == "BF16":
+    vals = (np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+  else:
+    vals = np.asarray(data)
+  ok = np.isfinite(vals)
+  if not ok.all():
+    i = int(np.argmin(ok.reshape(-1)))
+    raise GGUFError(f"{f.path}: tensor '{name}' has a non-finite value ({vals.reshape(-1)[i]} at flat index {i} of "
+                    f"{vals.size}), expected finite weights")
+
+
 def load_params(f: GGUFFile, c: ModelConfig, place=None) -> dict:
   """The params pytree (nested dicts of arrays / QTensors; layout: `tensor_map`) for `c` from file `f`;
   `place(path, param)`, when given, is applied to each param as soon as it is built (e.g.
-  model.expert_cache.placer: the routed experts go to host memory one tensor at a time)."""
+  model.expert_cache.placer: the routed experts go to host memory one tensor at a time). Every 1-D tensor and
+  the SMALL_TENSORS are checked finite (check_finite)."""
   params: dict = {}
   for path, (name, shape) in tensor_map(c, f).items():
     qtype, data = f.tensor(name, shape)
     if len(shape) == 1 and qtype not in ("F32", "F16", "BF16"):
       raise GGUFError(f"{f.path}: tensor '{name}' is {qtype}, expected a float type for a 1-D tensor")
+    if qtype in ("F32", "F16", "BF16") and (len(shape) == 1 or name.endswith(SMALL_TENSORS)):
+      check_finite(f, name, qtype, data)
     for ppath, param in to_params(c, path, qtype, data, shape):
       node = params
       for p in ppath[:-1]:
@@ -520,9 +692,34 @@ def load_gguf(path: str | os.PathLike, place=None):
   from model.tokenizer import Tokenizer
   f = GGUFFile(path)
   cfg = read_config(f)
+  _check_tokenizer_keys(f)
   params = load_params(f, cfg, place)
   try:
     tok = Tokenizer.from_metadata(f.md)
   except ValueError as e:
     raise GGUFError(f"{f.path}: {str(e).splitlines()[0]}") from None
+  if tok.add_bos and tok.bos_id is None:
+    raise GGUFError(f"{f.path}: the tokenizer adds BOS (tokenizer.ggml.add_bos_token or its pre default) but key "
+                    f"'tokenizer.ggml.bos_token_id' is missing")
   return cfg, params, tok, f
+
+
+_TOKENIZER_KEYS = {"tokenizer.ggml.model": str, "tokenizer.ggml.pre": str, "tokenizer.ggml.tokens": [str],
+                   "tokenizer.ggml.merges": [str], "tokenizer.ggml.token_type": [int],
+                   "tokenizer.ggml.bos_token_id": int, "tokenizer.ggml.eos_token_id": int,
+                   "tokenizer.ggml.add_bos_token": bool}
+
+
+def _check_tokenizer_keys(f: GGUFFile) -> None:
+  """The tokenizer's keys, where present, have the types the tokenizer reads (a string, an int, a bool, or an array
+  of them)."""
+  for key, kind in _TOKENIZER_KEYS.items():
+    if key not in f.md:
+      continue
+    v = f.md[key]
+    if isinstance(kind, list):
+      bad = [x for x in v if not isinstance(x, kind[0]) or isinstance(x, bool)][:1] if isinstance(v, list) else [v]
+      if bad:
+        raise GGUFError(f"{f.path}: key '{key}' holds {bad[0]!r:.80}, expected an array of {kind[0].__name__}")
+    elif not isinstance(v, kind) or kind is not bool and isinstance(v, bool):
+      raise GGUFError(f"{f.path}: key '{key}' is {v!r:.80}, expected {kind.__name__}")

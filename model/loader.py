@@ -10,7 +10,7 @@ from absl import logging
 from model import checkpoint
 from model.config import ModelConfig
 from model.api import fuse_qkv
-from model.gguf_io import load_gguf
+from model.gguf_io import identity, load_gguf
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "moejax", "params")
 
@@ -32,6 +32,10 @@ def _tokenizer_md(md: dict) -> dict:
 def load_model(path: str, cache_dir: str | None = None, expert_store: str | None = None) -> LoadedModel:
   """Load `path`; with `cache_dir`, read the orbax entry if one exists, else parse GGUF and write the entry.
 
+  An entry that cannot be used (model.checkpoint.restore's CacheError: damaged, cut short, another file's) is
+  reported in one warning line and the GGUF is loaded again, the entry rewritten. A `cache_dir` that is a file is
+  a NotADirectoryError.
+
   `expert_store` (a memory kind, e.g. "pinned_host"; None or "device": device memory) places the routed experts
   there: from a GGUF file one tensor at a time as they are built, so the device never holds the whole store
   (the expert cache's case: a model larger than the device); from the orbax cache after the restore.
@@ -45,9 +49,15 @@ def load_model(path: str, cache_dir: str | None = None, expert_store: str | None
   from model.tokenizer import Tokenizer
   t0 = time.perf_counter()
   store = expert_store if expert_store not in (None, "device") else None
+  if cache_dir:
+    checkpoint.check_root(cache_dir)
   if cache_dir and os.path.isfile(path):
     entry = checkpoint.entry_dir(path, cache_dir)
-    got = checkpoint.restore(entry)
+    try:
+      got = checkpoint.restore(entry, path)
+    except checkpoint.CacheError as e:
+      logging.warning("%s; loading %s from the GGUF again (the entry is rewritten)", e, path)
+      got = None
     if got is not None:
       cfg, params, tok_md = got
       logging.info("loaded %s from cache %s", path, entry)
@@ -61,5 +71,6 @@ def load_model(path: str, cache_dir: str | None = None, expert_store: str | None
     place = placer(store)
   cfg, params, tok, f = load_gguf(path, place)
   if cache_dir:
-    checkpoint.save(checkpoint.entry_dir(path, cache_dir), cfg, params, _tokenizer_md(f.md))
+    checkpoint.save(checkpoint.entry_dir(path, cache_dir), cfg, params, _tokenizer_md(f.md),
+                    identity(path, f.data_start))
   return LoadedModel(cfg, fuse_qkv(params), tok, path, False, time.perf_counter() - t0)

@@ -109,4 +109,4 @@ def test_prefill_chunk_below_one_is_refused():
                       "--prompt_tokens", "16", "--max_new_tokens", "4", "--prefill_chunk", "0"],
                      cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert r.returncode == 1 and "Traceback" not in r.stderr
-  assert r.stderr.strip().splitlines()[-1] == "error: prefill_chunk: 0, expected at least 1 token per call"
+  assert r.stderr.strip().splitlines()[-1] == "error: --prefill_chunk: 0, expected at least 1 token per call"
