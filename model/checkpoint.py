@@ -11,9 +11,11 @@ changed file or a changed packing never reads a stale entry. `restore` checks al
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import zlib
 
@@ -104,6 +106,19 @@ def save(directory: str, cfg: ModelConfig, params: dict, tokenizer_md: dict, ggu
   os.replace(meta_path + ".tmp", meta_path)
 
 
+@contextlib.contextmanager
+def _asyncio_quiet():
+  """Drop the asyncio logger's records while orbax reads: a read that fails leaves one 'unhandled exception during
+  asyncio.run() shutdown' ERROR per pending chunk (hundreds of lines) beside the exception that restore reports."""
+  log = logging.getLogger("asyncio")
+  drop = lambda record: False  # noqa: E731
+  log.addFilter(drop)
+  try:
+    yield
+  finally:
+    log.removeFilter(drop)
+
+
 def restore(directory: str, gguf_path: str):
   """(ModelConfig, params, tokenizer metadata) from the entry of `gguf_path`, or None if there is none; a
   CacheError (one line) when the entry cannot be used: meta.json unreadable or of another layout, the GGUF's
@@ -132,7 +147,8 @@ def restore(directory: str, gguf_path: str):
     what = next((k for k in ("size", "mtime_ns", "header_sha256") if got[k] != want.get(k)), "identity")
     raise CacheError(f"cache entry {directory}: recorded for another {gguf_path} (its {what} differs)")
   try:
-    arrays = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
+    with _asyncio_quiet():
+      arrays = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), abstract)
   except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types for missing or damaged data:
     # each means the entry cannot be used, and the GGUF it came from is still there to load
     why = str(e).splitlines()[0].split(". See full TensorStore details")[0][:200] if str(e) else ""

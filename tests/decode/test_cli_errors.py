@@ -189,7 +189,9 @@ def test_damaged_cache_entry_is_reported_and_reloaded_with_the_same_tokens(walke
     assert outs[name]["ids"] == WANT_IDS
   assert [outs[n]["stats"]["from_cache"] for n in outs] == [False, False, True]
   warn = walked["cache_damaged"][1]["warnings"]
-  assert len(warn) == 1 and "(damaged data); loading " in warn[0], warn
+  # flipped bits land in array data (the CRC-32 finds them) or in the data file's own index (orbax cannot read it)
+  assert len(warn) == 1 and ("(damaged data); loading " in warn[0] or ": orbax cannot read its arrays (" in warn[0]), warn
+  assert warn[0].endswith("from the GGUF again (the entry is rewritten)"), warn
   assert walked["cache_write"][1]["warnings"] == [] and walked["cache_rewritten"][1]["warnings"] == []
 
 
