@@ -150,11 +150,11 @@ def _capacity_moe(capacity: float, stats: list, dot_dtype):
 
   from ops.layers import swiglu
 
-  def moe(x_TD, ids_TK, w_TK, gate, up, down):
-    T, K = ids_TK.shape
+  def moe(x_TD, ids_TX, w_TX, gate, up, down):
+    T, K = ids_TX.shape
     E, D = gate.shape[0], x_TD.shape[-1]
     C = min(T, int(math.ceil(capacity * T * K / E)))
-    flat = ids_TK.reshape(-1)                                                  # token-major
+    flat = ids_TX.reshape(-1)                                                  # token-major
     onehot = jax.nn.one_hot(flat, E, dtype=jnp.int32)
     slot_in_e = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, flat[:, None], axis=1)[:, 0]
     keep = slot_in_e < C
@@ -167,7 +167,7 @@ def _capacity_moe(capacity: float, stats: list, dot_dtype):
     h = swiglu(dot("ecd,efd->ecf", xe, gate.astype(dot_dtype)), dot("ecd,efd->ecf", xe, up.astype(dot_dtype)))
     ye = dot("ecf,edf->ecd", h.astype(dot_dtype), down.astype(dot_dtype)).reshape(E * C, D)
     ye = jnp.concatenate([ye, jnp.zeros((1, D), jnp.float32)])
-    y = (ye[slot] * (w_TK.reshape(-1) * keep)[:, None]).reshape(T, K, D).sum(1)
+    y = (ye[slot] * (w_TX.reshape(-1) * keep)[:, None]).reshape(T, K, D).sum(1)
     stats.append((jnp.mean(onehot.astype(jnp.float32), 0), 1.0 - jnp.mean(keep.astype(jnp.float32))))
     return y
 
@@ -180,15 +180,15 @@ def _segment_attention(ctx: "TrainContext", dot_dtype):
   import jax
   import jax.numpy as jnp
 
-  def attend(q_THD, k_THD, v_THD, scale):
-    N, Hq, Dh = q_THD.shape
-    Hkv = k_THD.shape[1]
+  def attend(q_THDh, k_THkvDh, v_THkvDh, scale):
+    N, Hq, Dh = q_THDh.shape
+    Hkv = k_THkvDh.shape[1]
     S = ctx.seq_len
     B, G = N // S, Hq // Hkv
     dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-    q = (q_THD.reshape(B, S, Hkv, G, Dh).transpose(0, 2, 3, 1, 4) * scale).astype(dot_dtype)  # [B, Hkv, G, S, Dh]
-    k = k_THD.reshape(B, S, Hkv, Dh).transpose(0, 2, 1, 3).astype(dot_dtype)                 # [B, Hkv, S, Dh]
-    v = v_THD.reshape(B, S, Hkv, Dh).transpose(0, 2, 1, 3).astype(dot_dtype)
+    q = (q_THDh.reshape(B, S, Hkv, G, Dh).transpose(0, 2, 3, 1, 4) * scale).astype(dot_dtype)  # [B, Hkv, G, S, Dh]
+    k = k_THkvDh.reshape(B, S, Hkv, Dh).transpose(0, 2, 1, 3).astype(dot_dtype)                 # [B, Hkv, S, Dh]
+    v = v_THkvDh.reshape(B, S, Hkv, Dh).transpose(0, 2, 1, 3).astype(dot_dtype)
     s = dot("bkgtd,bksd->bkgts", q, k)
     s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -1e30)
     o = dot("bkgts,bksd->bkgtd", jax.nn.softmax(s, axis=-1).astype(dot_dtype), v)
@@ -211,6 +211,7 @@ class TrainContext:
   seq_len: int = 0                                  # set by `losses` while tracing
   moe_stats: list = dataclasses.field(default_factory=list)
   options: object = None                            # model.options.Options with the training layer functions
+  aux_loss: list = dataclasses.field(default_factory=list)   # extra loss terms a `losses_fn` adds (train)
 
 
 @contextlib.contextmanager
@@ -287,6 +288,21 @@ def _get(tree, path):
 
 
 # --------------------------------------------------------------------------------------------- export
+def file_tensor(params, cfg: ModelConfig, ppath: tuple[str, ...], shape) -> np.ndarray:
+  """The float32 file tensor at tensor_map key `ppath`: the param itself, or for a tensor the loader splits by
+  rows (model.gguf_io.row_splits: the hybrid family's attn_q, ssm_ba) its pieces put back in the file's row order."""
+  from model.gguf_io import row_splits
+  split = row_splits(cfg, ppath)
+  if split is None:
+    return np.asarray(_get(params, ppath), np.float32)
+  arr = np.full(tuple(shape), np.nan, np.float32)
+  for key, rows in split.items():
+    arr[rows] = np.asarray(_get(params, ppath[:-1] + (key,)), np.float32)
+  if np.isnan(arr).any():
+    raise ValueError(f"export: the pieces of {'/'.join(ppath)} do not fill its {shape} rows")
+  return arr
+
+
 def export_gguf(params, cfg: ModelConfig, path: str, name: str) -> str:
   """All tensors in F32 (the quantizer's input), metadata and tokenizer as model.writer writes them."""
   import gguf
@@ -299,7 +315,7 @@ def export_gguf(params, cfg: ModelConfig, path: str, name: str) -> str:
   add_to_gguf(w, load_vocab(cfg.vocab_size))
   items = sorted(tensor_map(cfg).items(), key=lambda kv: _order(kv[1][0]))
   for ppath, (tname, shape) in items:
-    arr = np.asarray(_get(params, ppath), np.float32)
+    arr = file_tensor(params, cfg, ppath, shape)
     if arr.shape != tuple(shape):
       raise ValueError(f"export: {'/'.join(ppath)} has shape {arr.shape}, expected {shape} for {tname}")
     w.add_tensor(tname, np.ascontiguousarray(arr))
@@ -310,8 +326,10 @@ def export_gguf(params, cfg: ModelConfig, path: str, name: str) -> str:
   return path
 
 
-def compose_mix(cfg: ModelConfig, experts_from: str, rest_from: str, path: str, name: str) -> str:
-  """A file with the routed experts (`_exps.`) of `experts_from` and every other tensor of `rest_from`."""
+def compose_mix(cfg: ModelConfig, experts_from: str, rest_from: str, path: str, name: str,
+                file_type: str = "MOSTLY_IQ3_S") -> str:
+  """A file with the routed experts (`_exps.`) of `experts_from` and every other tensor of `rest_from`;
+  `file_type` (a gguf.LlamaFileType name) is its general.file_type."""
   import gguf
 
   from configs.vocab import add_to_gguf, load_vocab
@@ -320,7 +338,7 @@ def compose_mix(cfg: ModelConfig, experts_from: str, rest_from: str, path: str, 
   b = {t.name: t for t in gguf.GGUFReader(rest_from).tensors}
   w = gguf.GGUFWriter(path, cfg.arch)
   _write_metadata(w, cfg, name)
-  w.add_file_type(int(gguf.LlamaFileType.MOSTLY_IQ3_S))
+  w.add_file_type(int(gguf.LlamaFileType[file_type]))
   add_to_gguf(w, load_vocab(cfg.vocab_size))
   for tname in sorted(b, key=_order):
     t = a[tname] if "_exps." in tname else b[tname]
@@ -382,8 +400,12 @@ def llama_cpp_check(path: str, tokens: np.ndarray) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- main
-def train(cfg: ModelConfig, params, stream: np.ndarray, FLAGS):
-  """The training loop: returns (params, eval history, steps, tokens seen, minutes)."""
+def train(cfg: ModelConfig, params, stream: np.ndarray, FLAGS, losses_fn=None):
+  """The training loop: returns (params, eval history, steps, tokens seen, minutes).
+
+  losses_fn: `losses`' signature and results (default `losses`); besides them it leaves one (load, dropped)
+  pair per MoE call in ctx.moe_stats and may append scalar terms to ctx.aux_loss, which the loss adds. The
+  selection bias moves only in MoE blocks that have one (`router_bias`: sigmoid routing)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -411,12 +433,17 @@ def train(cfg: ModelConfig, params, stream: np.ndarray, FLAGS):
   opt_state = opt.init(params)
   moe_paths = _moe_paths(cfg)
   lam, stop_grad = FLAGS.mtp_weight, FLAGS.mtp_stop_grad
+  losses_fn = losses_fn or losses
 
   with training_context(FLAGS.capacity, FLAGS.bf16) as ctx:
     def batch_loss(p, wins):
       ctx.moe_stats.clear()
-      main, mtp, agree, kl = losses(p, wins, cfg, stop_grad, ctx)
+      ctx.aux_loss.clear()
+      main, mtp, agree, kl = losses_fn(p, wins, cfg, stop_grad, ctx)
       loss = main.mean() + lam * mtp.mean() + FLAGS.distill * kl.mean()
+      if ctx.aux_loss:
+        loss = loss + sum(ctx.aux_loss)
+        ctx.aux_loss.clear()
       if len(ctx.moe_stats) != len(moe_paths):
         raise RuntimeError(f"expected {len(moe_paths)} MoE calls, saw {len(ctx.moe_stats)}")
       loads = [jax.lax.stop_gradient(ld) for ld, _ in ctx.moe_stats]
@@ -432,14 +459,16 @@ def train(cfg: ModelConfig, params, stream: np.ndarray, FLAGS):
       p = optax.apply_updates(p, jax.tree_util.tree_map_with_path(scale, upd))
       for path, load in zip(moe_paths, loads):      # loss-free balancing of the selection bias
         node = _get(p, path)
-        node["router_bias"] = node["router_bias"] + bias_rate * jnp.sign(1.0 / cfg.n_experts - load)
+        if "router_bias" in node:
+          node["router_bias"] = node["router_bias"] + bias_rate * jnp.sign(1.0 / cfg.n_experts - load)
       return p, o, {"loss": loss, "main": main, "mtp": mtp, "acc": acc, "drop": drop,
                     "imbalance": jnp.max(jnp.stack(loads)) * cfg.n_experts}
 
     @jax.jit
     def eval_step(p, wins):
-      main, mtp, agree, _ = losses(p, wins, cfg, stop_grad, ctx)
+      main, mtp, agree, _ = losses_fn(p, wins, cfg, stop_grad, ctx)
       ctx.moe_stats.clear()
+      ctx.aux_loss.clear()
       return main.mean(), mtp.mean(), agree.mean()
 
     def evaluate(p, length):
