@@ -52,6 +52,8 @@ flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert cache eviction
 flags.DEFINE_string("cache_dir", None, "orbax cache of loaded params (a second load skips GGUF parsing)")
 flags.DEFINE_bool("json", False, "print one JSON object as the last stdout line")
 flags.DEFINE_bool("eager", False, "run the decode loop eagerly (debugging)")
+flags.DEFINE_string("mesh", None, "split the model over this host's devices: ep=N (routed experts split by expert id "
+                    "over N devices, the rest replicated); default: one device")
 
 
 def check_flags() -> str | None:
@@ -83,12 +85,26 @@ def check_flags() -> str | None:
     raise CLIError("--draft mtp contradicts --mtp off")
   if FLAGS.cache_dir is not None and os.path.exists(FLAGS.cache_dir) and not os.path.isdir(FLAGS.cache_dir):
     raise CLIError(f"--cache_dir {FLAGS.cache_dir}: is a file, expected a directory")
+  if mesh_spec().size > 1 and FLAGS.expert_cache != "all":
+    raise CLIError(f"--mesh {FLAGS.mesh} with --expert_cache {FLAGS.expert_cache}: expert slots under a mesh are not "
+                   f"supported, expected --expert_cache all")
   if FLAGS.prompt_tokens is not None:
     cli.check("prompt_tokens", FLAGS.prompt_tokens, FLAGS.prompt_tokens >= 1, "a positive number")
     return None
   if FLAGS.prompt_file is not None:
     return cli.read_utf8("prompt_file", FLAGS.prompt_file)
   return cli.utf8_text("prompt", FLAGS.prompt) if FLAGS.prompt is not None else "The"
+
+
+def mesh_spec():
+  """--mesh parsed against this host's devices (model.mesh.parse_mesh); a CLIError naming the flag otherwise."""
+  import jax
+
+  from model.mesh import MeshError, parse_mesh
+  try:
+    return parse_mesh(FLAGS.mesh, len(jax.devices()))
+  except MeshError as e:
+    raise CLIError(f"--mesh: {e}") from None
 
 
 def _prompt_ids(tok, text: str | None) -> list[int]:
@@ -113,13 +129,18 @@ def run() -> dict:
   if FLAGS.expert_cache != "all":
     from model.expert_cache import store_memory_kind
     store = store_memory_kind()
-  model = load_model(path, FLAGS.cache_dir, expert_store=store)
+  from model.mesh import MeshError, make_mesh
+  mesh = make_mesh(mesh_spec())
+  try:
+    model = load_model(path, FLAGS.cache_dir, expert_store=store, mesh=mesh)
+  except MeshError as e:
+    raise CLIError(f"--mesh: {e}") from None
   model.params = with_kernels(model.params, _kernels())
   ids = _prompt_ids(model.tokenizer, text)
   kvr = None if FLAGS.kv_resident == "auto" else int(FLAGS.kv_resident)
   gen = GenConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                   seed=FLAGS.seed, kv=FLAGS.kv, kv_resident=kvr, max_context=FLAGS.max_context,
-                  prefill_chunk=FLAGS.prefill_chunk, options=Options(prefill_precision=FLAGS.prefill_precision))
+                  prefill_chunk=FLAGS.prefill_chunk, options=Options(prefill_precision=FLAGS.prefill_precision, mesh=mesh))
   drafter = _drafter(model.cfg)
   _check_window(gen, len(ids), FLAGS.mtp_draft if drafter != "none" else 0)
   plan, slots = _plan(model, gen, len(ids), drafter)

@@ -4,7 +4,8 @@ Items (device unless noted): weights, expert cache slots, main ring (mode 0; a h
 only), the recurrent state of a hybrid model's DeltaNet layers and, with k drafts, the k + 1 per-token states a
 verify pass keeps for its rollback, host tier (mode 1, pinned host memory), drafter ring (mode 2, sized from
 --mtp_window), workspace; free = budget - device items. A plan over the budget is refused with a one-line error
-naming the largest items.
+naming the largest items. Under a mesh (model.mesh) the plan has a row per device (its share of the params, the
+replicated rest) and is refused naming the first device over the budget.
 
 >>> from configs.presets import QWEN3MOE_30B_A3B as cfg
 >>> p = make_plan(cfg, weight_bytes=13 << 30, ring=32768, kv="int8", budget=24 << 30)
@@ -68,16 +69,30 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
+  """The plan's items (under a mesh: those of its fullest device, whose share of the params is the "weights" item)
+  and the budget of each device. `devices` (under a mesh): (device, bytes of the params it holds) per device; every
+  other device item (rings, state, workspace) is replicated, on each device whole."""
   items: tuple[Item, ...]
   budget: int | None
+  devices: tuple[tuple[str, int], ...] = ()
 
   @property
   def device_bytes(self) -> int:
+    """Bytes on the device (under a mesh: on the fullest one)."""
     return sum(i.bytes for i in self.items if i.where == "device")
+
+  def device_totals(self) -> list[tuple[str, int]]:
+    """(device, its bytes) per device: one row "device" without a mesh; under one each device's share of the params
+    plus the replicated items."""
+    if not self.devices:
+      return [("device", self.device_bytes)]
+    rest = self.device_bytes - self.get("weights")
+    return [(d, w + rest) for d, w in self.devices]
 
   @property
   def free(self) -> int | None:
-    return None if self.budget is None else self.budget - self.device_bytes
+    """Budget less the device's bytes (under a mesh: the least any device has left)."""
+    return None if self.budget is None else self.budget - max(t for _, t in self.device_totals())
 
   def get(self, name: str) -> int:
     return sum(i.bytes for i in self.items if i.name == name)
@@ -86,32 +101,57 @@ class MemoryPlan:
     rows = ["| item | mode | where | GiB |", "| --- | ---: | --- | ---: |"]
     for i in self.items:
       rows.append(f"| {i.name} | {'' if i.mode is None else i.mode} | {i.where} | {i.bytes / GiB:.3f} |")
-    rows.append(f"| device total | | device | {self.device_bytes / GiB:.3f} |")
+    if not self.devices:
+      rows.append(f"| device total | | device | {self.device_bytes / GiB:.3f} |")
     if self.budget is not None:
-      rows.append(f"| budget | | device | {self.budget / GiB:.3f} |")
+      rows.append(f"| budget | | {'each device' if self.devices else 'device'} | {self.budget / GiB:.3f} |")
+    if self.devices:
+      rows += ["", "| device | weights GiB | replicated GiB | total GiB | free GiB |", "| --- | ---: | ---: | ---: | ---: |"]
+      for (d, w), (_, t) in zip(self.devices, self.device_totals()):
+        free = "" if self.budget is None else f"{(self.budget - t) / GiB:.3f}"
+        rows.append(f"| {d} | {w / GiB:.3f} | {(t - w) / GiB:.3f} | {t / GiB:.3f} | {free} |")
+    elif self.budget is not None:
       rows.append(f"| free | | device | {self.free / GiB:.3f} |")
     return "\n".join(rows)
 
   def check(self) -> "MemoryPlan":
-    if self.budget is not None and self.free < 0:
-      big = sorted((i for i in self.items if i.where == "device"), key=lambda i: -i.bytes)[:3]
-      names = ", ".join(f"{i.name} {i.bytes / GiB:.2f} GiB" for i in big)
-      raise PlanError(f"memory plan: {self.device_bytes / GiB:.2f} GiB on the device exceeds the budget "
-                      f"{self.budget / GiB:.2f} GiB (largest: {names})")
+    """The plan, or a PlanError naming the first device over the budget and the largest items."""
+    if self.budget is None:
+      return self
+    for d, t in self.device_totals():
+      if t > self.budget:
+        items = [Item(i.name, dict(self.devices).get(d, i.bytes) if i.name == "weights" and self.devices else i.bytes)
+                 for i in self.items if i.where == "device"]
+        big = sorted(items, key=lambda i: -i.bytes)[:3]
+        names = ", ".join(f"{i.name} {i.bytes / GiB:.2f} GiB" for i in big)
+        where = "the device" if not self.devices else f"device {d}"
+        raise PlanError(f"memory plan: {t / GiB:.2f} GiB on {where} exceeds the budget "
+                        f"{self.budget / GiB:.2f} GiB (largest: {names})")
     return self
 
   def to_json(self) -> dict:
-    return {"items": [dataclasses.asdict(i) for i in self.items], "budget": self.budget, "free": self.free}
+    out = {"items": [dataclasses.asdict(i) for i in self.items], "budget": self.budget, "free": self.free}
+    if self.devices:
+      out["devices"] = [{"device": d, "weights": w, "total": t} for (d, w), (_, t) in
+                        zip(self.devices, self.device_totals())]
+    return out
 
 
 def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16", max_context: int | None = None,
               mtp_window: int | None = None, k: int = 0, expert_bytes: int = 0, expert_cache_bytes: int | None = None,
-              prefill_chunk: int = 1024, budget: int | None = None, fixed_ring: bool = True) -> MemoryPlan:
+              prefill_chunk: int = 1024, budget: int | None = None, fixed_ring: bool = True,
+              devices: dict[str, int] | None = None) -> MemoryPlan:
   """The plan for one request shape. weight_bytes: all params; expert_bytes: the routed experts' share of it;
   expert_cache_bytes: device slots when experts are cached (None: all resident). fixed_ring: the ring is the
-  request's --kv_resident; False for an auto ring (the request's bucket), which grows and never gets a host tier."""
+  request's --kv_resident; False for an auto ring (the request's bucket), which grows and never gets a host tier.
+  devices (under a mesh): the params' bytes on each device (model.mesh.device_bytes); the "weights" item is then
+  the fullest device's, every other item replicated on each device."""
   items = []
-  if expert_cache_bytes is None:
+  if devices:
+    if expert_cache_bytes is not None:
+      raise ValueError("make_plan: expert cache slots under a mesh are not supported")
+    items.append(Item("weights", max(devices.values())))
+  elif expert_cache_bytes is None:
     items.append(Item("weights", weight_bytes))
   else:
     items.append(Item("weights (non-expert)", weight_bytes - expert_bytes))
@@ -140,7 +180,7 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     rows = pairs + min(cfg.n_experts, pairs) * (tile_rows(pairs, cfg.n_experts) - 1)
     act += rows * 4 * (3 * cfg.d_model + cfg.d_ff_expert) + pairs * 4 * cfg.d_model
   items.append(Item("workspace", act + 4 * cfg.vocab_size * (k + 1) * 4))
-  return MemoryPlan(tuple(items), budget)
+  return MemoryPlan(tuple(items), budget, tuple((devices or {}).items()))
 
 
 def param_bytes(params) -> tuple[int, int]:
@@ -182,7 +222,8 @@ def check_host_memory(plan: MemoryPlan, limit: int | None = None) -> MemoryPlan:
   """A plan without a device budget (CPU, where device memory is host memory) refused when all its items, device
   and host, exceed `limit` (default: host_memory()): a PlanError naming the largest items."""
   limit = host_memory() if limit is None else limit
-  total = sum(i.bytes for i in plan.items)
+  # under a mesh of CPU devices every device's items are in host memory
+  total = sum(t for _, t in plan.device_totals()) + sum(i.bytes for i in plan.items if i.where != "device")
   if limit is not None and total > limit:
     big = sorted(plan.items, key=lambda i: -i.bytes)[:3]
     names = ", ".join(f"{i.name} {i.bytes / GiB:.2f} GiB" for i in big)
@@ -201,9 +242,14 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   prefill_chunk: tokens per prefill call (the workspace; the engine's is decode.engine.prefill_chunk(gen));
   cached_chunk: the same when experts run from slots (default prefill_chunk; the engine's GPU default is 8);
   fixed_ring: as make_plan's (False for an auto ring: no host tier)."""
+  from model.mesh import device_bytes, mesh_of
   total, experts = param_bytes(model.params)
   base = dict(weight_bytes=total, expert_bytes=experts, ring=ring, kv=kv, max_context=max_context,
               mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk, fixed_ring=fixed_ring)
+  if mesh_of(model.params) is not None:          # per device: its share of the params, the rest replicated
+    if expert_cache != "all":
+      raise PlanError(f"memory plan: --expert_cache {expert_cache} under a mesh, expected all (every expert resident)")
+    return make_plan(model.cfg, **base, devices=device_bytes(model.params)).check(), None
   if expert_cache == "all":
     return make_plan(model.cfg, **base).check(), None
   from model import expert_cache as xc

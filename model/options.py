@@ -42,6 +42,9 @@ class Options:
   tunings: object | None = None
   # Stand-ins for layer functions (LayerOps; None: the model's own). Inference never sets it.
   layer_ops: LayerOps | None = None
+  # A jax.sharding.Mesh (model.mesh.make_mesh; hashable) the params are placed on: the routed experts run expert
+  # parallel over its "ep" axis (model.mesh.expert_parallel). None: one device.
+  mesh: object | None = None
 
   def __post_init__(self):
     if self.prefill_precision not in PREFILL_PRECISIONS:

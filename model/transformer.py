@@ -28,6 +28,7 @@ from model.deltanet import GatedDeltaNet
 from model.config import ModelConfig
 from model.host_tier import tier_block
 from model.kv_ring import KVLayer
+from model.mesh import expert_parallel
 from model.options import DEFAULT, Options
 from ops import attention as attn_ops
 from ops import moe as moe_ops
@@ -198,7 +199,8 @@ class MoE(nn.Module):
 
   With an expert cache (model/expert_cache.py) the routed experts are read from its device slots, loading
   misses from the store (the params' expert tensors); prefill-sized steps (T * X > E) read the store directly
-  (moved to the device first when it lives in pinned host memory).
+  (moved to the device first when it lives in pinned host memory). Under a mesh (Options.mesh) the routed experts
+  run expert parallel (model.mesh.expert_parallel: each device its own experts, a psum over "ep").
   """
   cfg: ModelConfig
   opts: Options = DEFAULT
@@ -219,7 +221,11 @@ class MoE(nn.Module):
                                        routed_scale=c.routed_scale, impl=self.glue,
                                        logits_fn=lambda x: lin(x, router), tuning=pick(self.opts.tunings, "router"))
     T, X = ids_TX.shape
-    if experts is None or T * X > E:
+    if self.opts.mesh is not None:                 # expert parallel: each device its share of the experts, a psum
+      if experts is not None:
+        raise ValueError("MoE: an expert cache under a mesh is not supported, expected every expert resident")
+      y = expert_parallel(moe, self.opts.mesh, E)(x_TD, ids_TX, w_TX, gate, up, down)
+    elif experts is None or T * X > E:
       # The direct path reads every expert of the block (no cache, or a step routing more (token, expert) pairs
       # than there are experts: prefill chunks, long MTP passes). A store in pinned host memory
       # (expert_cache.place_store) is moved to the device first: each such step copies the block's whole

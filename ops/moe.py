@@ -127,20 +127,24 @@ def _moe_grouped(x_TD, ids_TX, w_TX, gate, up, down, n_experts, *, rows_per_tile
   return combine(y, w_TX)
 
 
-def moe_ref(x_TD, ids_TX, w_TX, gate, up, down):
-  n_experts = gate.shape[0]
+def moe_ref(x_TD, ids_TX, w_TX, gate, up, down, *, n_experts: int | None = None):
+  """The gather path when T * X <= n_experts, else the grouped one. n_experts: the model's routed experts (default
+  gate's leading dim; expert parallel passes the model's count while `gate` holds a device's share, so each device
+  takes the path one device takes)."""
+  n_experts = n_experts or gate.shape[0]
   T, X = ids_TX.shape
   if T * X <= n_experts:
     return _moe_gather(x_TD, ids_TX, w_TX, gate, up, down)
-  return _moe_grouped(x_TD, ids_TX, w_TX, gate, up, down, n_experts)
+  return _moe_grouped(x_TD, ids_TX, w_TX, gate, up, down, gate.shape[0])
 
 
-def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, precision: str = "auto"):
+def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, precision: str = "auto",
+        n_experts: int | None = None):
   """Dispatch on the experts' `kernel` field: "pallas" / "interpret" take the decode kernels (ops/moe_pallas)
   for T <= 16 tokens and the grouped tensor-core GEMM (ops/moe_grouped_pallas: row tiles of one expert) for more,
   when the types have kernels; everything else takes `moe_ref`. tunings (static): the kernels' pieces (`moe`,
   `grouped`, by the gate/up type); precision: the grouped GEMM's ("auto" | "f32" | "bf16"; the decode kernels and
-  the reference run float32)."""
+  the reference run float32); n_experts: as moe_ref's (the reference's path choice)."""
   if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kernel in ("pallas", "interpret"):
     interpret = gate.kernel == "interpret"
     if moe_pallas.supported(x_TD, ids_TX, gate, up, down):
@@ -149,4 +153,4 @@ def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, p
     if moe_grouped_pallas.supported(gate, up, down):
       return moe_grouped_pallas.moe_grouped_pallas(x_TD, ids_TX, w_TX, gate, up, down, interpret=interpret,
                                                    tuning=pick(tunings, "grouped", gate.qtype), precision=precision)
-  return moe_ref(x_TD, ids_TX, w_TX, gate, up, down)
+  return moe_ref(x_TD, ids_TX, w_TX, gate, up, down, n_experts=n_experts)

@@ -1,0 +1,200 @@
+"""A device mesh for models larger than one device: expert parallelism over one host's devices (jax.sharding).
+
+`MeshSpec` (what `--mesh ep=2` says) -> `make_mesh` -> a `jax.sharding.Mesh` with axes ("ep", "tp"). Under it:
+- the routed experts of every MoE block (ffn/{gate,up,down}_exps, the expert store) are split by expert id: device
+  i of the `ep` axis holds experts [i E/ep, (i + 1) E/ep) of every block (PartitionSpec("ep") on the leading axis
+  of each plane);
+- every other param and the whole state (rings, recurrent state, host tier) is replicated on every device.
+`placer(mesh)` is a `load_params` hook that puts each param there as soon as it is built, one tensor at a time, so
+no device ever holds more than one tensor beyond its share; `shard_params` does the same for params already built
+(an orbax cache entry).
+
+The routed experts under the mesh (`expert_parallel`): a `jax.shard_map` over "ep" in which every device runs the
+model's own MoE function on its local experts for all the step's tokens, the (token, expert) pairs routed to
+experts it does not own given weight 0 (and local id 0), then a `psum` over "ep" sums the partial outputs. The
+router, attention and dense projections run replicated, the same on every device. What changes against one device
+is the order of the sum over a token's top-k experts (per device, then across devices): float32 summation order.
+The decode step, the MTP round and prefill stay the same pure jitted functions: the mesh reaches them as
+`Options.mesh`, a static argument (a Mesh is hashable).
+
+`tp` (tensor parallel attention / dense projections, heads-sharded K/V) is not implemented: a tp size above 1 is
+refused.
+
+>>> parse_mesh("ep=2", n_devices=4)
+MeshSpec(ep=2, tp=1)
+>>> parse_mesh("ep=3", n_devices=2)
+Traceback (most recent call last):
+...
+model.mesh.MeshError: 'ep=3': ep x tp = 3 devices, expected at most the 2 devices there are
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ops.qtensor import QTensor
+
+AXES = ("ep", "tp")
+STORE_NAMES = ("gate_exps", "up_exps", "down_exps")
+
+
+class MeshError(ValueError):
+  """A mesh that cannot be made or does not fit the model (one line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  ep: int = 1     # expert parallel: devices the routed experts are split across, by expert id
+  tp: int = 1     # tensor parallel (attention, dense projections): only 1 for now
+
+  @property
+  def size(self) -> int:
+    return self.ep * self.tp
+
+  def __str__(self) -> str:
+    return ",".join(f"{a}={getattr(self, a)}" for a in AXES)
+
+
+def parse_mesh(text: str | None, n_devices: int) -> MeshSpec:
+  """'ep=2', 'ep=4,tp=1' (axis=size pairs, axes ep and tp, each at most once; sizes positive integers whose
+  product is at most `n_devices`) -> MeshSpec; None or '' -> one device. Anything else is a MeshError."""
+  if not text:
+    return MeshSpec()
+  sizes: dict[str, int] = {}
+  for part in text.split(","):
+    m = re.fullmatch(r"\s*([a-z]+)\s*=\s*([0-9]+)\s*", part)
+    if not m:
+      raise MeshError(f"{text!r}: {part.strip()!r} is not axis=size, expected pairs such as ep=2 or ep=2,tp=1")
+    axis, size = m.group(1), int(m.group(2))
+    if axis not in AXES:
+      raise MeshError(f"{text!r}: unknown axis {axis!r}, expected axes {' and '.join(AXES)}")
+    if axis in sizes:
+      raise MeshError(f"{text!r}: axis {axis} given twice, expected each axis at most once")
+    if size < 1:
+      raise MeshError(f"{text!r}: {axis}={size}, expected a positive size")
+    sizes[axis] = size
+  spec = MeshSpec(**sizes)
+  if spec.size > n_devices:
+    raise MeshError(f"{text!r}: ep x tp = {spec.size} devices, expected at most the {n_devices} devices there are")
+  if spec.tp != 1:
+    raise MeshError(f"{text!r}: tp={spec.tp}, tensor parallelism is not implemented yet, expected tp=1 "
+                    f"(experts split with ep)")
+  return spec
+
+
+def check_experts(spec: MeshSpec, n_experts: int) -> None:
+  """A MeshError unless the routed experts split evenly over ep (models without routed experts: ep must be 1)."""
+  if spec.ep > 1 and (n_experts < 1 or n_experts % spec.ep):
+    raise MeshError(f"ep={spec.ep}: the model has {n_experts} routed experts, expected a number divisible by ep")
+
+
+def make_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh | None:
+  """The mesh of `spec` over the first ep x tp devices (default jax.devices()), axes ("ep", "tp") of Auto type;
+  None for one device (the one-device path, untouched)."""
+  if spec.size == 1:
+    return None
+  devs = list(devices if devices is not None else jax.devices())[:spec.size]
+  auto = jax.sharding.AxisType.Auto
+  return jax.sharding.Mesh(np.array(devs).reshape(spec.ep, spec.tp), AXES, axis_types=(auto, auto))
+
+
+def is_store_path(path: tuple) -> bool:
+  """Whether a params path (tuple of keys) names a routed-expert tensor (split by expert id under a mesh)."""
+  return len(path) >= 2 and path[-2] == "ffn" and path[-1] in STORE_NAMES
+
+
+def spec_of(path: tuple) -> P:
+  """The PartitionSpec of the param at `path`: P("ep") (leading, expert axis) for routed experts, else replicated."""
+  return P("ep") if is_store_path(path) else P()
+
+
+def _put(w, sharding, path=None):
+  """A param (QTensor or array) with every plane put in `sharding`; a MeshError when its leading axis does not
+  split over the sharding's ep axis."""
+  planes = w.planes if isinstance(w, QTensor) else (w,)
+  if sharding.spec != P():
+    ep = sharding.mesh.shape["ep"]
+    if planes[0].shape[0] % ep:
+      name = "/".join(path) if path else "a routed-expert tensor"
+      raise MeshError(f"ep={ep}: {name} has {planes[0].shape[0]} experts, expected a number divisible by ep")
+  out = tuple(jax.device_put(p, sharding) for p in planes)
+  return w.replace(planes=out) if isinstance(w, QTensor) else out[0]
+
+
+def placer(mesh: jax.sharding.Mesh):
+  """A `load_params` hook that places each param on `mesh` as it is built (routed experts split by expert id, the
+  rest replicated): one tensor at a time, so no device holds the whole expert store while the model loads."""
+  def place(path: tuple, param):
+    return _put(param, NamedSharding(mesh, spec_of(path)), path)
+  return place
+
+
+def _walk(params: dict, fn, path=()):
+  return {k: _walk(v, fn, path + (k,)) if isinstance(v, dict) else fn(path + (k,), v) for k, v in params.items()}
+
+
+def shard_params(params: dict, mesh: jax.sharding.Mesh | None) -> dict:
+  """The params placed on `mesh` (as `placer`), tensor by tensor; the params themselves for no mesh."""
+  if mesh is None:
+    return params
+  return _walk(params, placer(mesh))
+
+
+def mesh_of(tree) -> jax.sharding.Mesh | None:
+  """The mesh of the first array of `tree` placed on a NamedSharding over more than one device, else None."""
+  for x in jax.tree.leaves(tree):
+    sh = getattr(x, "sharding", None) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+    if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+      return sh.mesh
+  return None
+
+
+def replicate(tree, mesh: jax.sharding.Mesh):
+  """`tree` with every uncommitted array placed replicated on `mesh` (committed arrays stay where they are): the
+  state that goes into a jitted step beside params on a mesh, so the first call compiles what the later ones run."""
+  sh = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: jax.device_put(x, sh) if isinstance(x, jax.Array) and not x.committed else x, tree)
+
+
+def device_bytes(params) -> dict[str, int]:
+  """Bytes of `params` held by each device (its shards of every array), keyed by str(device), in device order."""
+  out: dict = {}
+  for x in jax.tree.leaves(params):
+    if isinstance(x, jax.Array):
+      for s in x.addressable_shards:
+        out[s.device] = out.get(s.device, 0) + int(s.data.nbytes)
+  return {str(d): out[d] for d in sorted(out, key=lambda d: d.id)}
+
+
+def expert_parallel(moe, mesh: jax.sharding.Mesh, n_experts: int):
+  """`moe(x_TD, ids_TX, w_TX, gate, up, down) -> y_TD` over experts split by expert id on `mesh`'s ep axis.
+
+  Inside a shard_map each device sees its E/ep local experts (gate/up/down with spec P("ep"), everything else
+  replicated); a pair routed to an expert it does not own gets weight 0 and local id 0, so its term of the sum over
+  top-k is exactly 0, and `moe` runs as on one device (told the model's n_experts, so it picks the same gather /
+  grouped path). A psum over "ep" adds the devices' partial outputs: y is replicated. Float32: the sum over a
+  token's X experts runs per device, then across devices, instead of in top-k order."""
+  ep = mesh.shape["ep"]
+  e_local = n_experts // ep
+
+  def local(x_TD, ids_TX, w_TX, gate, up, down):
+    e0 = jax.lax.axis_index("ep") * e_local
+    own = (ids_TX >= e0) & (ids_TX < e0 + e_local)
+    y = moe(x_TD, jnp.where(own, ids_TX - e0, 0), jnp.where(own, w_TX, 0).astype(w_TX.dtype), gate, up, down,
+            n_experts=n_experts)
+    return jax.lax.psum(y.astype(jnp.float32), "ep")
+
+  def run(x_TD, ids_TX, w_TX, gate, up, down):
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P("ep"), P("ep"), P("ep")), out_specs=P(),
+                         check_vma=False)(x_TD, ids_TX, w_TX, gate, up, down)
+  return run
+
+
+def spec_from(mesh: jax.sharding.Mesh | None) -> MeshSpec:
+  """The MeshSpec of a mesh made by make_mesh (None: one device)."""
+  return MeshSpec() if mesh is None else MeshSpec(**{a: mesh.shape[a] for a in AXES})
