@@ -297,7 +297,6 @@ def _chain_fn(n, layers, interpret=False):
   dependency only, the floor under any design that runs n kernels per layer."""
   import functools
   import jax
-  import jax.numpy as jnp
   from jax.experimental import pallas as pl
   progs = 128
 
@@ -442,7 +441,6 @@ def main(argv):
   del argv
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from ops import quant, repack
   from ops.qtensor import QTensor
 

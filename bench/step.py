@@ -179,7 +179,7 @@ def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir
     st = (api.ModelState(ring, host=host, recurrent=rec) if ls is None
           else ls.model.replace(ring=ls.model.ring.rewind(base_len)))
     ls = LoopState(st, jnp.zeros((steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1), jax.random.PRNGKey(0),
-                   jnp.zeros((), bool))
+                   jnp.zeros((), bool), jnp.int32(-1))
     # every input committed to the device, as the loop's outputs are (a host tier is committed to pinned host
     # memory): otherwise the first timed repeat, fed the compile run's outputs, compiles again (seen on the H200)
     ls = jax.tree.map(lambda x: x if x.committed else jax.device_put(x, jax.devices()[0]), ls)

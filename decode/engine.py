@@ -32,6 +32,25 @@ class RequestError(ValueError):
   """A request the engine refuses (one line)."""
 
 
+class NonFiniteError(RequestError):
+  """The logits turned NaN or Inf: the request stops there and emits no token from them (one line)."""
+
+
+def nonfinite_error(step: int, n_prompt: int) -> NonFiniteError:
+  """The error of non-finite logits for generated token `step` (0: the prefill's last position)."""
+  where = "the prompt's last position" if step == 0 else f"decode step {step}"
+  return NonFiniteError(f"logits: NaN or Inf at generated token {step} ({where}, position {n_prompt - 1 + step}), "
+                        f"so the request stops; likely cause: non-finite or overflowing weights in the model file "
+                        f"(a damaged tensor)")
+
+
+def check_finite(logits, step: int, n_prompt: int) -> None:
+  """A NonFiniteError unless every logit is finite (a host sync: after the prefill, and per step of the eager loop;
+  the jitted loops check inside and stop, setting `bad`)."""
+  if not bool(jnp.all(jnp.isfinite(logits))):
+    raise nonfinite_error(step, n_prompt)
+
+
 @dataclasses.dataclass(frozen=True)
 class GenConfig:
   max_new_tokens: int = 32
@@ -70,21 +89,25 @@ class LoopState:
   token: jax.Array      # last token (the next step's input)
   key: jax.Array
   done: jax.Array
+  bad: jax.Array = -1   # int32: the step whose logits were not finite (the loop stopped there), -1 while none
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_p", "options"), donate_argnames=("ls",))
 def decode_loop(params, ls: LoopState, n_max, eos_id, *, cfg: ModelConfig, temperature: float, top_p: float,
                 options: Options = DEFAULT):
-  """Generate until n == n_max or EOS: each iteration feeds `token` (already in out[n-1]) and stores the next."""
+  """Generate until n == n_max or EOS: each iteration feeds `token` (already in out[n-1]) and stores the next.
+  Logits with a NaN or Inf stop the loop without a token: `bad` is then that step (n, the token they would give)."""
 
   def cond(s):
     return (s.n < n_max) & ~s.done
 
   def body(s):
     logits, _, model = api.forward(params, s.token[None], s.model, cfg=cfg, options=options)
+    ok = jnp.all(jnp.isfinite(logits[0]))
     key, sub = jax.random.split(s.key)
     nxt = sample(logits[0], sub, temperature, top_p)
-    return LoopState(model, s.out.at[s.n].set(nxt), s.n + 1, nxt, key, s.done | (nxt == eos_id))
+    return LoopState(model, s.out.at[s.n].set(nxt), s.n + ok.astype(jnp.int32), nxt, key,
+                     s.done | (nxt == eos_id) | ~ok, jnp.where(ok, s.bad, s.n))
 
   return jax.lax.while_loop(cond, body, ls)
 
@@ -361,6 +384,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   key, sub = jax.random.split(key)
   first = sample(logits[-1], sub, gen.temperature, gen.top_p)
   first.block_until_ready()
+  check_finite(logits[-1], 0, len(prompt))
   ttft = time.perf_counter() - t0 + (st.reused_s or 0.0)
   prefilled = cache_counts(state)
   eos = tok.eos_id if (gen.stop_at_eos and tok.eos_id is not None) else -1
@@ -370,6 +394,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     token = first
     while len(ids) < n and ids[-1] != eos:
       lg, _, state = api.decode_step(params, token, state, cfg=cfg, options=gen.options)
+      check_finite(lg, len(ids), len(prompt))
       key, sub = jax.random.split(key)
       token = sample(lg, sub, gen.temperature, gen.top_p)
       ids.append(int(token))
@@ -377,7 +402,7 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
   else:
     ls = LoopState(state, jnp.zeros(_buffer_size(new_tokens_sized(gen)), jnp.int32).at[0].set(first),
                    jnp.ones((), jnp.int32), first,
-                   key, first == eos)
+                   key, first == eos, jnp.int32(-1))
     ls = commit_for_store(ls, params, cfg)       # else the timed call after the compile call compiles again
     kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p, options=gen.options)
     ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # compile (zero iterations)
@@ -388,6 +413,8 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
       # each step writes one position: stop the segment when the ring is full (with a host tier it wraps)
       room = n if ls.model.host is not None else ls.model.ring.capacity - int(ls.model.ring.length)
       ls = decode_loop(params, ls, jnp.int32(min(n, int(ls.n) + room)), jnp.int32(eos), **kwargs)
+      if int(ls.bad) >= 0:
+        raise nonfinite_error(int(ls.bad), len(prompt))
       if int(ls.n) >= n or bool(ls.done):
         break
       if not grow and ls.model.host is None:

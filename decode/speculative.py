@@ -39,8 +39,8 @@ from absl import logging
 from flax import struct
 
 from decode import drafters
-from decode.engine import (GenConfig, GenResult, RequestError, cache_counts, cache_stats, commit_for_store,
-                           new_tokens_sized, request_params, start_request)
+from decode.engine import (GenConfig, GenResult, RequestError, cache_counts, cache_stats, check_finite,
+                           commit_for_store, new_tokens_sized, nonfinite_error, request_params, start_request)
 from decode.sampling import sample, target_probs
 from model import api
 from model.state import ModelState
@@ -63,6 +63,7 @@ class SpecState:
   proposed: jax.Array    # int32 [k] drafts proposed per draft position
   accepted: jax.Array    # int32 [k] drafts accepted per draft position
   rounds: jax.Array
+  bad: jax.Array = -1    # int32: the generated token whose verify logits were not finite (the loop stopped), or -1
 
 
 def _probs(logits, temperature, top_p):
@@ -182,15 +183,20 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
   is_eos = (em == eos_id) & (i < count)
   hit = jnp.any(is_eos)
   count = jnp.where(hit, jnp.argmax(is_eos) + 1, count)
+  # emitted token i comes from verify row i: a non-finite row among the first `count` ends the request before it
+  fin = jnp.all(jnp.isfinite(logits), axis=-1)                                     # [k+1]
+  j = jnp.argmin(fin).astype(jnp.int32)                                            # first non-finite row (else 0)
+  broken = ~fin[j] & (j < count)
+  count = jnp.where(broken, j, count)
   hist = jax.lax.dynamic_update_slice(s.hist, em, (s.n_hist,))
   model = model.replace(ring=model.ring.rewind(P + n_acc + 1))
   if keep:
     model = api.select_recurrent(model, kept, n_acc)
   return SpecState(
       model=model, hist=hist, n_hist=s.n_hist + count, n_prompt=s.n_prompt,
-      pend_h=hidden.astype(s.pend_h.dtype), pend_t=em, n_pend=n_acc + 1, key=key, done=s.done | hit,
+      pend_h=hidden.astype(s.pend_h.dtype), pend_t=em, n_pend=n_acc + 1, key=key, done=s.done | hit | broken,
       proposed=s.proposed + valid.astype(jnp.int32), accepted=s.accepted + (i[:k] < n_acc).astype(jnp.int32),
-      rounds=s.rounds + 1)
+      rounds=s.rounds + 1, bad=jnp.where(broken, s.n_hist - s.n_prompt + j, s.bad))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "drafter", "temperature", "top_p", "options"),
@@ -215,17 +221,25 @@ def _hist_size(n: int) -> int:
   return b
 
 
-def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, drafter: str = "mtp", k: int = 3,
-                         mtp_window: int = 4096, replay_ids=None, eager: bool = False, prefill_cache=None,
-                         **kw) -> GenResult:
-  """Generate with drafts from `drafter` (mtp | lookup | replay), k per round.
+@dataclasses.dataclass
+class SpecStart:
+  """A request ready for its rounds: the loop state after the prefill (first token sampled, the drafter ring
+  filled), the replay buffer and `spec_round` / `spec_loop`'s static arguments."""
+  s: SpecState
+  replay: jax.Array
+  params: dict
+  kwargs: dict          # spec_round's keyword arguments (cfg, k, drafter, temperature, top_p, options)
+  eos: int
+  prompt: list
+  st: object            # decode.engine.start_request's result
+  ttft: float
+  prefilled: object     # expert-cache counters after the prefill
 
-  replay_ids: for drafter="replay", the continuation to propose (e.g. a plain greedy run's ids).
-  eager=True runs the rounds one by one from Python (same jitted round, easier to inspect).
-  prefill_cache: a bench.prefill_cache.PrefillCache to reuse the main trunk's prefill of this prompt (ttft_s counts the
-  original prefill's seconds; the drafter ring is still filled here).
-  """
-  gen = dataclasses.replace(gen or GenConfig(), **kw)
+
+def start_speculative(model, prompt_ids, gen: GenConfig, *, drafter: str = "mtp", k: int = 3, mtp_window: int = 4096,
+                      replay_ids=None, prefill_cache=None) -> SpecStart:
+  """Check the request, prefill the prompt, sample the first token and fill the drafter ring: what
+  `speculative_generate` runs before its rounds (and what a test that drives `spec_round` itself starts from)."""
   cfg, tok = model.cfg, model.tokenizer
   params = request_params(model, gen)             # the store in pinned host memory with expert slots on a GPU
   if drafter not in ("mtp", "lookup", "replay"):
@@ -240,14 +254,15 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
                     "the last bits and greedy tokens may deviate from plain decoding", k, k + 1,
                     qmatmul_pallas.INVARIANT_B)
   prompt = [int(i) for i in prompt_ids]
-  T, n = len(prompt), gen.max_new_tokens
+  T = len(prompt)
   t0 = time.perf_counter()
   st = start_request(model, prompt, gen, k=k, mtp_window=mtp_window if drafter == "mtp" else None, params=params,
                      prefill_cache=prefill_cache)
-  state, logits, hidden, cap = st.state, st.logits, st.hidden, st.cap
+  state, logits, hidden = st.state, st.logits, st.hidden
   key = jax.random.PRNGKey(gen.seed)
   key, sub = jax.random.split(key)
   first = sample(logits[-1], sub, gen.temperature, gen.top_p)
+  check_finite(logits[-1], 0, len(prompt))
   pend_h = jnp.zeros((k + 1, cfg.d_model), jnp.float32).at[0].set(hidden[-1])
   pend_t = jnp.zeros((k + 1,), jnp.int32).at[0].set(first)
   if drafter == "mtp" and T > 1:
@@ -272,9 +287,28 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
     replay = replay.at[: len(rec)].set(rec)
   eos = tok.eos_id if (gen.stop_at_eos and tok.eos_id is not None) else -1
   s = SpecState(state, hist, jnp.int32(T + 1), jnp.int32(T), pend_h, pend_t, jnp.int32(1), key,
-                jnp.asarray(int(first) == eos), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), jnp.int32(0))
+                jnp.asarray(int(first) == eos), jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.int32), jnp.int32(0),
+                jnp.int32(-1))
   kwargs = dict(cfg=cfg, k=k, drafter=drafter, temperature=gen.temperature, top_p=gen.top_p, options=gen.options)
   s, replay = commit_for_store((s, replay), params, cfg)   # else the timed call after the compile call compiles again
+  return SpecStart(s, replay, params, kwargs, eos, prompt, st, ttft, prefilled)
+
+
+def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, drafter: str = "mtp", k: int = 3,
+                         mtp_window: int = 4096, replay_ids=None, eager: bool = False, prefill_cache=None,
+                         **kw) -> GenResult:
+  """Generate with drafts from `drafter` (mtp | lookup | replay), k per round.
+
+  replay_ids: for drafter="replay", the continuation to propose (e.g. a plain greedy run's ids).
+  eager=True runs the rounds one by one from Python (same jitted round, easier to inspect).
+  prefill_cache: a bench.prefill_cache.PrefillCache to reuse the main trunk's prefill of this prompt (ttft_s counts the
+  original prefill's seconds; the drafter ring is still filled here).
+  """
+  gen = dataclasses.replace(gen or GenConfig(), **kw)
+  sp = start_speculative(model, prompt_ids, gen, drafter=drafter, k=k, mtp_window=mtp_window, replay_ids=replay_ids,
+                         prefill_cache=prefill_cache)
+  s, replay, params, kwargs, eos, prompt, st = sp.s, sp.replay, sp.params, sp.kwargs, sp.eos, sp.prompt, sp.st
+  T, n, tok = len(prompt), gen.max_new_tokens, model.tokenizer
   if eager:
     rnd = jax.jit(functools.partial(spec_round, **kwargs))
     t1 = time.perf_counter()
@@ -287,16 +321,18 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
     s = spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(n), **kwargs)
     jax.block_until_ready(s)
   dt = time.perf_counter() - t1
+  if int(s.bad) >= 0:
+    raise nonfinite_error(int(s.bad), T)
   got = int(s.n_hist) - T
   ids = [int(i) for i in np.asarray(s.hist)[T: T + min(got, n)]]
   rounds = int(s.rounds)
   prop, accd = np.asarray(s.proposed).tolist(), np.asarray(s.accepted).tolist()
-  stats = {"prompt_tokens": T, "generated_tokens": len(ids), "ttft_s": ttft, "setup_s": st.setup_s,
+  stats = {"prompt_tokens": T, "generated_tokens": len(ids), "ttft_s": sp.ttft, "setup_s": st.setup_s,
            "prefill_s": st.prefill_s, "decode_s": dt,
-           "decode_tok_s": (got - 1) / dt if dt > 0 else 0.0, "kv": gen.kv, "kv_resident": cap, "eager": eager,
+           "decode_tok_s": (got - 1) / dt if dt > 0 else 0.0, "kv": gen.kv, "kv_resident": st.cap, "eager": eager,
            "prefill_reused": st.reused_s is not None, "drafter": drafter, "k": k, "rounds": rounds,
            "drafts_proposed": prop, "drafts_accepted": accd,
            "acceptance": (sum(accd) / sum(prop)) if sum(prop) else 0.0,
            "mean_accepted_len": (sum(accd) / rounds) if rounds else 0.0,
-           "mtp_window": mtp_window if drafter == "mtp" else None, "expert_cache": cache_stats(s.model, got, prefilled)}
+           "mtp_window": mtp_window if drafter == "mtp" else None, "expert_cache": cache_stats(s.model, got, sp.prefilled)}
   return GenResult(prompt, ids, tok.decode(ids), stats)

@@ -30,16 +30,6 @@ PROMPT = ["--prompt", "Hello", "--max_new_tokens", "8", "--json"]
 WANT_IDS = [733, 279, 267, 198, 266, 82, 528, 13]      # the default model's greedy ids after "Hello"
 
 
-def _engine_checks_logits() -> bool:
-  from decode import engine
-  return hasattr(engine, "NonFiniteError")
-
-
-NEEDS_FINITE_CHECK = pytest.mark.xfail(
-    not _engine_checks_logits(), strict=True,
-    reason="the decode loops' finite check on the logits (decode/engine.py, decode/speculative.py) is not there yet")
-
-
 def _files(tmp: str) -> dict:
   from configs.default import default_model_path
   from tests.gguf_edit import edit_copy, move_tensor, set_block_scale, set_tensor_type, set_tensor_values, set_value
@@ -171,7 +161,6 @@ def test_cli_case_is_one_line(walked, name):
   _one_line_exit(walked, name)
 
 
-@NEEDS_FINITE_CHECK
 @pytest.mark.parametrize("name", LOGITS_CASES)
 def test_non_finite_logits_stop_the_request_in_one_line(walked, name):
   line = _one_line_exit(walked, name)

@@ -105,6 +105,113 @@ def test_nextn_drafts_are_accepted_and_output_is_plain_greedy(k):
   assert acc / prop >= 0.5
 
 
+def test_k1_acceptance_equals_a_replay_over_the_float64_reference():
+  """Greedy k = 1 with NextN drafts: a round at position P drafts argmax NextN(h_(P-1), t_P) for t_(P+1), and the
+  recurrent state is rolled back whenever that draft is rejected. Given the final sequence, the float64 reference's
+  (tests/ref_hybrid.py) NextN predictions decide every round, so the accepted count and the rounds are determined."""
+  from tests.ref_hybrid import HybridRefModel
+  m = _model()
+  ref = HybridRefModel(PATH)
+  for p in th.PROMPTS[:2]:
+    prompt = m.tokenizer.encode(p)
+    r = speculative_generate(m, prompt, drafter="mtp", k=1, max_new_tokens=N_GREEDY, kv="f32", stop_at_eos=False)
+    assert tuple(r.ids) == _plain(p)
+    seq = prompt + list(r.ids)
+    _, hidden = ref.forward(seq)
+    logits, _ = ref.mtp_forward(hidden[:-1], seq[1:], start_pos=1)       # entry j predicts token j + 2
+    pred = logits.argmax(-1)
+    P, gen, accepted, rounds = len(prompt), 1, 0, 0
+    while gen < N_GREEDY:
+      ok = int(pred[P - 1] == seq[P + 1])
+      accepted, rounds, gen, P = accepted + ok, rounds + 1, gen + 1 + ok, P + 1 + ok
+    print(f"\n{p!r}: {accepted} of {rounds} k=1 drafts accepted (engine and float64 replay)")
+    assert 0 < accepted < rounds
+    assert (r.stats["drafts_accepted"][0], r.stats["rounds"]) == (accepted, rounds)
+
+
+def _chi2(counts, probs, n):
+  """(Pearson chi-square, its degrees of freedom) over the bins expected >= 5 times."""
+  exp = np.asarray(probs, np.float64) * n
+  m = exp >= 5
+  return float(np.sum((counts[m] - exp[m]) ** 2 / exp[m])), int(m.sum()) - 1
+
+
+def test_sampled_rounds_with_rollback_have_the_target_distribution(monkeypatch):
+  """Sampled verification over recurrent layers. Two k = 1 rounds from the state after a prompt and its first token
+  t1, over 2,000 keys, at temperature 1 and top_p 0.9; the replay drafter proposes the least likely token, outside
+  every nucleus on the way, so each round's draft is rejected, the round emits a resampled token and must roll its
+  DeltaNet states back from the 2-token verify pass to the state after its first token. The emitted (x, y) must be
+  distributed as plain decoding's: x ~ p(. | prompt t1) and, for each frequent x, y ~ p(. | prompt t1 x), from
+  plain decode steps (chi-square, p > 1e-3). The control keeps the state after the rejected draft instead (no
+  rollback) and must fail the same test for y."""
+  import jax
+  import jax.numpy as jnp
+  from scipy import stats as st
+
+  from decode import speculative as spec
+  from decode.engine import GenConfig, start_request
+  from decode.sampling import target_probs
+  from model import api
+
+  m = _model()
+  prompt = m.tokenizer.encode(th.PROMPTS[1])
+  gen = GenConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, kv="f32", stop_at_eos=False, seed=0)
+  sp = spec.start_speculative(m, prompt, gen, drafter="replay", k=1, replay_ids=[0] * 8)
+  T, t1 = len(prompt), int(sp.s.hist[len(prompt)])
+
+  # plain decoding's distributions: decode steps from the prefill's state (copied: the steps donate it)
+  state0 = start_request(m, prompt, gen).state
+
+  def step(token, state):
+    lg, _, state = api.decode_step(sp.params, jnp.int32(token), jax.tree.map(jnp.copy, state), cfg=m.cfg,
+                                   options=gen.options)
+    return lg, state
+
+  lg1, state1 = step(t1, state0)
+  px1 = np.asarray(target_probs(lg1, gen.temperature, gen.top_p), np.float64)
+  rare = 256 + int(np.argmin(np.asarray(lg1)[256:]))       # the least likely token that is not a byte
+  replay = jnp.full_like(sp.replay, rare).at[: T + 1].set(sp.replay[: T + 1])
+
+  def sample_xy(n_keys: int):
+    @jax.jit
+    def two_rounds(key, params, s0, replay):
+      s = s0.replace(key=key)
+      for _ in range(2):
+        s = spec.spec_round(params, s, replay, jnp.int32(-1), **sp.kwargs)
+      return s.hist[T + 1: T + 3], s.accepted[0]
+    out = [two_rounds(key, sp.params, sp.s, replay) for key in jax.random.split(jax.random.PRNGKey(7), n_keys)]
+    return np.stack([np.asarray(o[0]) for o in out]), np.asarray([int(o[1]) for o in out])
+
+  def y_test(xy, px):
+    chi = dof = 0
+    for x, p in px.items():
+      sel = xy[:, 0] == x
+      c, d = _chi2(np.bincount(xy[sel, 1], minlength=len(p)), p, int(sel.sum()))
+      chi, dof = chi + c, dof + d
+    return st.chi2.sf(chi, dof), chi, dof
+
+  N = 2000
+  xy, acc = sample_xy(N)
+  chi_x, dof_x = _chi2(np.bincount(xy[:, 0], minlength=len(px1)), px1, N)
+  p_x = st.chi2.sf(chi_x, dof_x)
+  counts = np.bincount(xy[:, 0], minlength=len(px1))
+  frequent = [int(x) for x in np.argsort(-counts)[:3] if counts[x] >= 200]
+  px = {x: np.asarray(target_probs(step(x, state1)[0], gen.temperature, gen.top_p), np.float64) for x in frequent}
+  assert px1[rare] == 0.0 and frequent and all(p[rare] == 0.0 for p in px.values())
+  assert not acc[np.isin(xy[:, 0], frequent)].any()        # every draft rejected there: every round rolled back
+  p_y, chi_y, dof_y = y_test(xy, px)
+  print(f"\nx: chi2 {chi_x:.1f} / {dof_x} dof, p = {p_x:.3f}; y given x in {frequent} ({counts[frequent].tolist()}): "
+        f"chi2 {chi_y:.1f} / {dof_y}, p = {p_y:.3f}")
+  assert p_x > 1e-3 and p_y > 1e-3
+
+  # the control: no rollback (the state after the rejected draft stays)
+  keep = api.select_recurrent
+  monkeypatch.setattr(api, "select_recurrent", lambda model, kept, t: keep(model, kept, jnp.ones_like(t)))
+  bad_p, bad_chi, bad_dof = y_test(sample_xy(N // 2)[0], px)
+  print(f"without the rollback: y chi2 {bad_chi:.1f} / {bad_dof}, p = {bad_p:.2e}")
+  assert bad_p < 1e-3
+
+
 def test_decode_generate_runs_it():
   """The CLI on the file: MTP drafts (its default for a model with a NextN block, k = 3), greedy ids equal to
   llama.cpp's, drafts accepted."""
