@@ -1,0 +1,255 @@
+"""Expert-parallel decode under a mesh (model/mesh.py, issue 29) against the one-device run, on the tiny F16 file of
+every architecture we read, with meshes of 2 and 4 CPU devices.
+
+The runs happen in two child processes side by side (this file is their driver: `python tests/model/test_mesh.py
+OUT.json ARCH,...`) with `--xla_force_host_platform_device_count=4`, set before jax starts: the test session keeps
+its one CPU device. In a child, per architecture, the one-device run (params uncommitted on device 0) is the
+reference, and each mesh (ep=2 on devices 0-1, ep=4 on devices 0-3) runs the same requests:
+- prefill logits of a 20-token prompt (the grouped expert path), then 9 greedy decode steps (the gather path) and
+  their logits;
+- on one of the two meshes (alternating by architecture, `spec_mesh`), speculative greedy generation through
+  decode.speculative (NextN drafts where the file has a NextN block, else replay drafts), and for the first
+  architecture the engine's plain loop (decode.engine.generate);
+- on the other, the same prefill and steps on a ring of 512 slots against 256.
+The logits bound: a mesh changes only the float32 order of the sum over a token's top-k expert outputs (per device,
+then the psum across devices), an error of a few ulp of each MoE output. The bound is measured on the one-device run
+itself: its logits' change when every MoE output is scaled by (1 + 2^-22) (about four ulp; the "sensitivity", large
+in the tiny random hybrid models, whose DeltaNet layers amplify it), times 8, plus 1e-6 of the largest logit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":                           # the driver: this checkout's packages, four CPU devices
+  sys.path.insert(0, ROOT)
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+ARCHS = ("glm4moe", "qwen3moe", "qwen2moe", "qwen3next", "qwen35moe")
+MESHES = ("ep=2", "ep=4")
+N_NEW = 10
+PERTURB = 2.0 ** -22      # relative scaling of each MoE output in the sensitivity run
+FACTOR = 8.0
+
+
+def spec_mesh(arch: str) -> str:
+  """The mesh an architecture's speculative run takes (its capacity check the other): they alternate, so each mesh
+  runs both checks on some architectures and each check runs on both meshes."""
+  return MESHES[ARCHS.index(arch) % 2]
+
+
+def _drive(out_path: str) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from decode.engine import GenConfig, generate
+  from decode.speculative import speculative_generate
+  from model import api
+  from model.loader import load_model
+  from model.mesh import device_bytes, make_mesh, parse_mesh, replicate
+  from model.options import LayerOps, Options
+  from ops import moe as moe_ops
+  from tests.models import model_path
+
+  assert len(jax.devices()) == 4
+  prompt = [(7 * i + 3) % 1000 + 1 for i in range(20)]
+  res = {}
+
+  def chain(m, opts, mesh, cap=256):
+    """Prefill logits of the prompt, then N_NEW - 1 greedy decode steps (the jitted decode_step, called from
+    Python): (logits [T + N_NEW - 1, V], greedy ids [N_NEW])."""
+    st = api.init_state(m.cfg, cap)
+    if mesh is not None:
+      st = replicate(st, mesh)
+    lp, _, st = api.prefill(m.params, jnp.asarray(prompt, jnp.int32), st, cfg=m.cfg, options=opts)
+    rows, ids = [np.asarray(lp)], [int(jnp.argmax(lp[-1]))]
+    while len(ids) < N_NEW:
+      ld, _, st = api.decode_step(m.params, jnp.int32(ids[-1]), st, cfg=m.cfg, options=opts)
+      rows.append(np.asarray(ld)[None])
+      ids.append(int(jnp.argmax(ld)))
+    return np.concatenate(rows), ids
+
+  for arch in sys.argv[2].split(",") if len(sys.argv) > 2 else ARCHS:
+    path = model_path(arch, "F16")
+    m1 = load_model(path)
+    ref, ref_ids = chain(m1, Options(), None)
+    pert = lambda *x, **kw: moe_ops.moe(*x) * (1 + PERTURB)  # noqa: E731
+    st = api.init_state(m1.cfg, 256)
+    lp = api.prefill(m1.params, jnp.asarray(prompt, jnp.int32), st, cfg=m1.cfg,
+                     options=Options(layer_ops=LayerOps(moe=pert)))[0]
+    r = res[arch] = {"ids": ref_ids, "sensitivity": float(np.abs(np.asarray(lp) - ref[:len(prompt)]).max()),
+                     "max_logit": float(np.abs(ref).max()), "one_bytes": sum(device_bytes(m1.params).values())}
+    for text in MESHES:
+      mesh = make_mesh(parse_mesh(text, 4))
+      m = load_model(path, mesh=mesh)
+      opts = Options(mesh=mesh)
+      lg, ids = chain(m, opts, mesh)
+      out = r[text] = {"logit_diff": float(np.abs(lg - ref).max()), "ids": ids, "bytes": device_bytes(m.params)}
+      if text == spec_mesh(arch):
+        gen = GenConfig(max_new_tokens=N_NEW, stop_at_eos=False, options=opts)
+        drafter = "mtp" if m.cfg.n_nextn else "replay"
+        sp = speculative_generate(m, prompt, gen, drafter=drafter, k=3, mtp_window=64,
+                                  replay_ids=ids if drafter == "replay" else None)
+        out.update(spec=sp.ids, drafter=drafter, accepted=sp.stats["drafts_accepted"])
+        if arch == ARCHS[0]:                         # the engine's plain loop under a mesh, once
+          out["generate"] = generate(m, prompt, gen).ids
+      else:
+        lg2, ids2 = chain(m, opts, mesh, cap=512)
+        out.update(cap_bitwise=bool((lg2 == lg).all()), cap_ids=ids2)
+  with open(out_path, "w") as f:
+    json.dump(res, f)
+
+
+# The child processes, run side by side (CI has two cores; compiles dominate): the attention-only archs, the hybrids.
+GROUPS = (ARCHS[:3], ARCHS[3:])
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("mesh")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  outs = [str(tmp / f"runs{i}.json") for i in range(len(GROUPS))]
+  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), out, ",".join(g)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           for out, g in zip(outs, GROUPS)]
+  errs = [p.communicate(timeout=900)[1] for p in procs]
+  res = {}
+  for p, out, err in zip(procs, outs, errs):
+    assert p.returncode == 0, err[-4000:]
+    with open(out) as f:
+      res.update(json.load(f))
+  return res
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_logits_within_float32_summation_order_of_one_device(mesh_runs, arch, mesh):
+  """Prefill and decode-step logits against the one-device run's, within 8 x its sensitivity (see the module)."""
+  r = mesh_runs[arch]
+  bound = FACTOR * r["sensitivity"] + 1e-6 * r["max_logit"]
+  assert r["sensitivity"] > 0
+  assert r[mesh]["logit_diff"] <= bound, (r[mesh]["logit_diff"], bound)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_greedy_tokens_identical_to_one_device(mesh_runs, arch, mesh):
+  r = mesh_runs[arch]
+  assert len(r["ids"]) == N_NEW
+  assert r[mesh]["ids"] == r["ids"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_equals_plain_greedy_under_the_mesh(mesh_runs, arch):
+  """decode.speculative (NextN drafts, or replay drafts without a NextN block) under the mesh emits the greedy
+  tokens of plain decoding, under the mesh and on one device."""
+  r = mesh_runs[arch][spec_mesh(arch)]
+  assert r["drafter"] == ("replay" if arch in ("qwen3moe", "qwen2moe") else "mtp")
+  assert r["spec"] == r["ids"] == mesh_runs[arch]["ids"]
+  if r["drafter"] == "replay":
+    assert all(n > 0 for n in r["accepted"])
+
+
+def test_engine_generate_under_the_mesh_equals_one_device(mesh_runs):
+  r = mesh_runs[ARCHS[0]]
+  assert r[spec_mesh(ARCHS[0])]["generate"] == r["ids"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_capacity_invariance_under_the_mesh(mesh_runs, arch):
+  """Rings of 256 and 512 slots under the mesh: bitwise equal logits, the same greedy tokens (DESIGN invariant 1)."""
+  other = MESHES[1 - MESHES.index(spec_mesh(arch))]
+  r = mesh_runs[arch][other]
+  assert r["cap_bitwise"] and r["cap_ids"] == r["ids"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_each_device_holds_its_share_of_the_experts(mesh_runs, arch, mesh):
+  """Every device holds the replicated params plus 1/ep of the routed experts: the same bytes on each, and
+  ep x (device bytes) - (ep - 1) x (one device's bytes) = the routed experts' share that is split."""
+  r = mesh_runs[arch]
+  ep = int(mesh.split("=")[1])
+  per = list(r[mesh]["bytes"].values())
+  assert len(per) == ep and len(set(per)) == 1
+  experts = (r["one_bytes"] - per[0]) * ep // (ep - 1)     # E x slab bytes, from the two measurements
+  assert 0 < experts < r["one_bytes"] and r["one_bytes"] - experts + experts // ep == per[0]
+
+
+
+# ------------------------------------------------------------------------------------ flags, plan (no child runs)
+
+@pytest.mark.parametrize("text,n,want", [
+    ("ep=3", 2, "'ep=3': ep x tp = 3 devices, expected at most the 2 devices there are"),
+    ("ep=2,tp=2", 4, "'ep=2,tp=2': tp=2, tensor parallelism is not implemented yet, expected tp=1"),
+    ("dp=2", 4, "'dp=2': unknown axis 'dp', expected axes ep and tp"),
+    ("ep=2,ep=2", 4, "'ep=2,ep=2': axis ep given twice, expected each axis at most once"),
+    ("ep=0", 4, "'ep=0': ep=0, expected a positive size"),
+    ("ep:2", 4, "'ep:2': 'ep:2' is not axis=size, expected pairs such as ep=2"),
+])
+def test_parse_mesh_refuses_bad_input_in_one_line(text, n, want):
+  from model.mesh import MeshError, parse_mesh
+  with pytest.raises(MeshError) as e:
+    parse_mesh(text, n)
+  assert str(e.value).startswith(want) and "\n" not in str(e.value)
+
+
+def test_parse_mesh_accepts_ep_and_tp_1():
+  from model.mesh import MeshSpec, check_experts, make_mesh, parse_mesh, MeshError
+  assert parse_mesh("ep=4,tp=1", 4) == MeshSpec(4, 1) and parse_mesh(None, 1) == MeshSpec()
+  assert make_mesh(MeshSpec()) is None                         # one device: the one-device path
+  check_experts(MeshSpec(4), 8)
+  with pytest.raises(MeshError, match="the model has 6 routed experts, expected a number divisible by ep"):
+    check_experts(MeshSpec(4), 6)
+
+
+def test_plan_has_a_row_per_device_and_names_the_device_over_budget():
+  """A plan under a mesh: each device's share of the params plus the replicated items; over budget on device 1 only
+  (it holds more params) is refused naming that device."""
+  from configs.presets import TINY_GLM4MOE as cfg
+  from decode.kv_plan import PlanError, make_plan
+  MiB = 1 << 20
+  devices = {"cpu:0": 4 * MiB, "cpu:1": 6 * MiB}
+  plan = make_plan(cfg, weight_bytes=10 * MiB, ring=1024, devices=devices, budget=64 * MiB)
+  rest = plan.device_bytes - plan.get("weights")
+  assert plan.get("weights") == 6 * MiB and plan.device_totals() == [("cpu:0", 4 * MiB + rest), ("cpu:1", 6 * MiB + rest)]
+  assert plan.free == 64 * MiB - 6 * MiB - rest
+  table = plan.table()
+  assert "| cpu:0 | 0.004 |" in table and "| cpu:1 | 0.006 |" in table
+  assert [d["device"] for d in plan.to_json()["devices"]] == ["cpu:0", "cpu:1"]
+  tight = make_plan(cfg, weight_bytes=10 * MiB, ring=1024, devices=devices, budget=5 * MiB + rest)
+  with pytest.raises(PlanError, match=r"on device cpu:1 exceeds the budget .*\(largest: .*weights 0.01 GiB"):
+    tight.check()
+
+
+CLI_CASES = {   # --mesh flags -> the stderr line decode.generate must end with (four CPU devices)
+    "devices": (["--mesh", "ep=8"], "error: --mesh: 'ep=8': ep x tp = 8 devices, expected at most the 4 devices there are"),
+    "experts": (["--mesh", "ep=3"], "error: --mesh: ep=3: blk_1/ffn/gate_exps has 16 experts, expected a number "
+                "divisible by ep"),
+    "plan": (["--mesh", "ep=4", "--device_budget", "8MiB"], "error: memory plan: 0.01 GiB on device cpu:0 exceeds the "
+             "budget 0.01 GiB"),
+}
+
+
+def test_bad_mesh_through_the_cli_is_one_line_exit_1():
+  """decode.generate on the default model (16 experts): a mesh over more devices than there are, an ep that does not
+  divide the experts, a plan over a device's budget: each one line on stderr, exit 1, no token printed."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  procs = {k: subprocess.Popen([sys.executable, "-m", "decode.generate", "--prompt", "Hi", "--max_new_tokens", "2",
+                                *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for k, (flags, _) in CLI_CASES.items()}
+  for k, p in procs.items():
+    out, err = p.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert p.returncode == 1 and out == "", (k, out, err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith(CLI_CASES[k][1]), (k, err[-2000:])
+
+if __name__ == "__main__":
+  _drive(sys.argv[1])
