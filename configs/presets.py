@@ -70,12 +70,31 @@ GLM45_AIR = ModelConfig(
     n_dense_lead=1, n_shared_experts=1, d_ff_shared=1408, routing="sigmoid", norm_topk=True, routed_scale=1.0,
     qkv_bias=True, n_nextn=1, context_length=131072)
 
+# GLM-4.5 (355B-A32B), the shape of zai-org/GLM-4.5's published config, as found (search corpora, 2026-12-03):
+# - 92 layers of which the first 3 dense (first_k_dense_replace 3), hidden 5120, dense FFN 12288, 96 query / 8 KV heads
+#   of 128 with q/k/v bias and per-head q/k RMSNorm, rotary over half of each head (0.5: 64 of 128), theta 1e6, vocab
+#   151552, untied head; 160 routed experts of FFN 1536, top-8, sigmoid scores with a selection bias (noaux_tc),
+#   routed_scaling 2.5, one shared expert of 1536: the slime RL framework's scripts/models/glm4.5-355B-A32B.sh
+#   (its Megatron args, as stored in zyzshishui/slime), agreeing with transcriptions of the config.json in tests of
+#   other projects;
+# - RMSNorm eps 1e-5, top-k renormalised, head_dim 128, 1 shared expert: llama.cpp PR #15026's notes on both GLM-4.5
+#   models (one test mock elsewhere says 1e-6; 1e-5 is what the Air preset above and llama.cpp's notes give);
+# - one NextN (MTP) layer (num_nextn_predict_layers 1, block_count 93 in GGUF) and context 131072
+#   (max_position_embeddings): config transcriptions of this 355B shape (found for GLM-4.5 and GLM-4.7 alike).
+# Counted from these shapes (tests/model/test_mesh.py): 356.8B params with the NextN block, 352.8B without, 32.9B
+# active per token (the published 355B-A32B); IQ3_S routed experts alone are 146 GB, more than one H200 holds.
+GLM45_355B_A32B = ModelConfig(
+    arch="glm4moe", vocab_size=151552, d_model=5120, n_layers=92, n_heads=96, n_kv_heads=8, head_dim=128,
+    rope_dim=64, rope_theta=1e6, rms_eps=1e-5, n_experts=160, top_k=8, d_ff_expert=1536, d_ff=12288,
+    n_dense_lead=3, n_shared_experts=1, d_ff_shared=1536, routing="sigmoid", norm_topk=True, routed_scale=2.5,
+    qk_norm=True, qkv_bias=True, n_nextn=1, context_length=131072)
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen3moe": TINY_QWEN3MOE, "tiny-qwen2moe": TINY_QWEN2MOE, "tiny-glm4moe": TINY_GLM4MOE,
     "tiny-qwen3next": TINY_QWEN3NEXT, "tiny-qwen35moe": TINY_QWEN35MOE,
     "qwen3moe-30b-a3b": QWEN3MOE_30B_A3B, "qwen3next-80b-a3b": QWEN3NEXT_80B_A3B,
     "seed-mtp": QWEN3NEXT_80B_A3B, "seed-mtp-glm4moe": SEED_MTP_GLM4MOE,
-    "glm45-air": GLM45_AIR,
+    "glm45-air": GLM45_AIR, "glm45-355b-a32b": GLM45_355B_A32B,
 }
 
 

@@ -251,5 +251,40 @@ def test_bad_mesh_through_the_cli_is_one_line_exit_1():
     assert p.returncode == 1 and out == "", (k, out, err[-2000:])
     assert len(lines) == 1 and lines[0].startswith(CLI_CASES[k][1]), (k, err[-2000:])
 
+
+# ------------------------------------------------------------------------------------ the GLM-4.5 355B preset
+
+def _params(c) -> tuple[float, float, float]:
+  """(total, total without the NextN blocks, active per token) parameters of a glm4moe shape, in billions, counted
+  from its fields: attention (q/k/v/o and q/k/v bias), routed experts, shared expert, router, dense blocks, embedding
+  and untied head, the NextN blocks' eh_proj; active: every attention, top_k routed + shared experts, routers,
+  dense blocks and the head (not the embedding lookup, nor the NextN block)."""
+  D = c.d_model
+  attn = D * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
+  expert = 3 * c.d_ff_expert * D
+  moe = c.n_layers - c.n_dense_lead
+  per_moe = lambda n: n * expert + 3 * c.d_ff_shared * D + c.n_experts * D  # noqa: E731
+  dense = c.n_dense_lead * 3 * c.d_ff * D
+  nextn = c.n_nextn * (attn + per_moe(c.n_experts) + 2 * D * D)
+  trunk = c.n_layers * attn + moe * per_moe(c.n_experts) + dense + 2 * c.vocab_size * D
+  active = c.n_layers * attn + moe * per_moe(c.top_k) + dense + c.vocab_size * D
+  return (trunk + nextn) / 1e9, trunk / 1e9, active / 1e9
+
+
+def test_glm45_355b_preset_has_the_published_size():
+  """The preset's shape gives the published 355B total / 32B active (GLM-4.5-Air's gives its 106B / 12B with the
+  same count), and its IQ3_S routed experts (110 bytes per 256 weights) do not fit one 141 GB H200 but half of them
+  fit (ep=2), the case issue 29 is about."""
+  from configs.presets import GLM45_AIR, GLM45_355B_A32B as c, preset
+  assert preset("glm45-355b-a32b") is c
+  total, trunk, active = _params(c)
+  assert trunk <= 355 <= total and abs(active - 32) / 32 < 0.05, (total, trunk, active)
+  total, trunk, active = _params(GLM45_AIR)
+  assert abs(trunk - 106) / 106 < 0.01 and abs(active - 12) / 12 < 0.08, (total, trunk, active)
+  experts = (c.n_layers - c.n_dense_lead + c.n_nextn) * c.n_experts * 3 * c.d_ff_expert * c.d_model * 110 / 256
+  assert experts > 141e9 > experts / 2 + 10e9
+  assert (c.n_dense_lead, c.rope_dim / c.head_dim, c.routed_scale, c.n_nextn) == (3, 0.5, 2.5, 1)
+  assert c.n_experts % 2 == 0 and c.n_experts % 4 == 0 and c.n_experts % 8 == 0   # ep = 2, 4, 8 split it evenly
+
 if __name__ == "__main__":
   _drive(sys.argv[1])
