@@ -21,8 +21,9 @@ libdevice's, not XLA's, so an int8 code at a rounding tie may differ by one; in 
 arithmetic is the reference's. Every output row depends only on its own token, so a 1-token step and a k + 1 token
 verify pass agree.
 
-Shapes the kernel takes (`supported`): Hq, Hkv, head_dim, rope_dim / 2 and head_dim - rope_dim (when nonzero)
-powers of two; anything else runs the reference.
+Shapes the kernel takes (`supported`): Hq, Hkv, head_dim and rope_dim / 2 powers of two; the columns past the
+rotated ones pass through as power-of-two slices (`tail_pieces`: head_dim 256, rope_dim 64 -> 128 + 64, the hybrid
+family's gated attention). Anything else runs the reference.
 """
 from __future__ import annotations
 
@@ -58,13 +59,24 @@ def _is_pow2(n: int) -> bool:
 
 def supported(n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int) -> str | None:
   """None when the kernel takes these shapes, else why not."""
-  half, rest = rope_dim // 2, head_dim - rope_dim
+  half = rope_dim // 2
   for what, n in (("Hq", n_heads), ("Hkv", n_kv_heads), ("head_dim", head_dim), ("rope_dim/2", half)):
     if not _is_pow2(n):
       return f"{what}={n} is not a power of two"
-  if rope_dim % 2 or rope_dim > head_dim or (rest and not _is_pow2(rest)):
-    return f"rope_dim={rope_dim} must be even, <= head_dim={head_dim}, with head_dim - rope_dim 0 or a power of two"
+  if rope_dim % 2 or rope_dim > head_dim:
+    return f"rope_dim={rope_dim} must be even and <= head_dim={head_dim}"
   return None
+
+
+def tail_pieces(head_dim: int, rope_dim: int) -> list[tuple[int, int]]:
+  """The columns past the rotated ones as (start, width) slices of power-of-two widths, widest first (Triton
+  blocks are powers of two): head_dim 256 with rope_dim 64 gives [(64, 128), (192, 64)]."""
+  out, c0 = [], rope_dim
+  while c0 < head_dim:
+    n = 1 << ((head_dim - c0).bit_length() - 1)
+    out.append((c0, n))
+    c0 += n
+  return out
 
 
 def rope_write_ref(qkv_TN, q_norm, k_norm, pos_T, ring_kv, *, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -98,27 +110,26 @@ def _kernel(pos_ref, freq_ref, qkv_ref, *refs, Hq: int, Hkv: int, Dh: int, half:
   ang = (p + offset).astype(jnp.float32) * freq_ref[...]               # [half]
   cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
   rd = 2 * half
+  rest = tail_pieces(Dh, rd)
 
   def pieces(h0, H, w_ref):
     """The normed head rows h0 .. h0 + H - 1 of token t as (rotated first half, rotated second half, rest)."""
     x = qkv_ref[t, pl.ds(h0, H), :]                                     # [H, Dh]
     x1 = qkv_ref[t, pl.ds(h0, H), pl.ds(0, half)]
     x2 = qkv_ref[t, pl.ds(h0, H), pl.ds(half, half)]
-    xr = qkv_ref[t, pl.ds(h0, H), pl.ds(rd, Dh - rd)] if Dh > rd else None
+    xr = [qkv_ref[t, pl.ds(h0, H), pl.ds(c0, n)] for c0, n in rest]
     if w_ref is not None:                      # rms_norm: x * rsqrt(mean(x^2) + eps) * w, over the whole row
       r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
       x1 = x1 * r * w_ref[pl.ds(0, half)][None, :]
       x2 = x2 * r * w_ref[pl.ds(half, half)][None, :]
-      if xr is not None:
-        xr = xr * r * w_ref[pl.ds(rd, Dh - rd)][None, :]
-    y = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
-    return y + ([xr] if xr is not None else [])
+      xr = [y * r * w_ref[pl.ds(c0, n)][None, :] for y, (c0, n) in zip(xr, rest)]
+    return [x1 * cos - x2 * sin, x2 * cos + x1 * sin] + xr
 
   def spans(ys):
-    """Column ranges of the pieces: rotated halves and the rest, or one whole row (v)."""
+    """Column ranges of the pieces: rotated halves and the pass-through tail's, or one whole row (v)."""
     if len(ys) == 1:
       return [(0, Dh)]
-    return [(0, half), (half, half)] + ([(rd, Dh - rd)] if Dh > rd else [])
+    return [(0, half), (half, half)] + rest
 
   @pl.when(j < Hq // HB)
   def _():

@@ -558,6 +558,23 @@ def _define_flags():
   flags.DEFINE_string("card", str(DATA_DIR / "default.md"), "model card to write ('' = none)")
 
 
+def saved_run(FLAGS) -> dict | None:
+  """The pickle of --params (a finished run's params and flags), its training flags set on FLAGS (for the summary
+  and card); None without --params."""
+  if not FLAGS.params:
+    return None
+  import pickle
+
+  from absl import logging
+  with open(FLAGS.params, "rb") as f:
+    saved = pickle.load(f)
+  for k, v in saved.get("flags", {}).items():
+    if getattr(FLAGS, k) != v:
+      logging.info("--%s: %r from %s (given %r)", k, v, FLAGS.params, getattr(FLAGS, k))
+      setattr(FLAGS, k, v)
+  return saved
+
+
 def main(argv):
   del argv
   from absl import flags, logging
@@ -567,15 +584,7 @@ def main(argv):
 
   cfg = DEFAULT_CFG
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  saved = None
-  if FLAGS.params:
-    import pickle
-    with open(FLAGS.params, "rb") as f:
-      saved = pickle.load(f)
-    for k, v in saved.get("flags", {}).items():      # the training run's settings, for the summary and card
-      if getattr(FLAGS, k) != v:
-        logging.info("--%s: %r from %s (given %r)", k, v, FLAGS.params, getattr(FLAGS, k))
-        setattr(FLAGS, k, v)
+  saved = saved_run(FLAGS)
   tok = tokenizer(cfg.vocab_size)
   train_pydoc, held = pydoc_split(cfg.vocab_size)
   streams = [train_pydoc] * FLAGS.pydoc_repeat

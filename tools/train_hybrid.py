@@ -231,14 +231,7 @@ def main(argv):
   t_start = time.time()
   cfg = HYBRID_CFG
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  saved = None
-  if FLAGS.params:
-    with open(FLAGS.params, "rb") as f:
-      saved = pickle.load(f)
-    for k, v in saved.get("flags", {}).items():      # the training run's settings, for the summary and card
-      if getattr(FLAGS, k) != v:
-        logging.info("--%s: %r from %s (given %r)", k, v, FLAGS.params, getattr(FLAGS, k))
-        setattr(FLAGS, k, v)
+  saved = td.saved_run(FLAGS)
   tok = td.tokenizer(cfg.vocab_size)
   train_pydoc, held = td.pydoc_split(cfg.vocab_size)
   streams = [train_pydoc] * FLAGS.pydoc_repeat

@@ -80,6 +80,29 @@ def test_heldout_mtp_acceptance_k1():
   assert m["main_loss"] < 4.0
 
 
+@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K_M", "Q6_K", "IQ3_S"])
+def test_quantized_mixes_match_llama_cpp(mix, tmp_path):
+  """The shipped file quantized by llama.cpp's quantizer, on a 128-token held-out window: our logits against
+  llama.cpp's on the same file within issue 25's bound for mixes (rel L2 <= 5e-2, argmax equal at >= 90 % of
+  positions). The tiny random hybrid files cannot show it (there the exact float64 forward itself is 3e-2 .. 1e-1
+  from llama.cpp: test_hybrid_model.py); on this trained model the recurrent state does not amplify the rounding
+  of llama.cpp's 8-bit activations as much (measured 1.3e-2 .. 3.2e-2, argmax 96-99 %)."""
+  import jax.numpy as jnp
+
+  from model import api
+  path = str(tmp_path / f"hybrid-{mix}.gguf")
+  llama_ref.quantize(PATH, path, mix)
+  m = load_model(path)
+  toks = [int(t) for t in td.heldout_windows(128)[1]]
+  got = np.asarray(api.prefill(m.params, jnp.asarray(toks, jnp.int32), api.init_state(m.cfg, 256, "f32"),
+                               cfg=m.cfg)[0], np.float64)
+  lc = np.asarray(llama_ref.logits(path, toks), np.float64)
+  rel = float(np.linalg.norm(got - lc) / np.linalg.norm(lc))
+  agree = float(np.mean(got.argmax(-1) == lc.argmax(-1)))
+  print(f"\n{mix}: rel L2 {rel:.2e} from llama.cpp, argmax agreement {agree:.1%}")
+  assert rel <= 5e-2 and agree >= 0.9
+
+
 @pytest.mark.parametrize("prompt", th.PROMPTS)
 def test_greedy_continuations_equal_llama_cpp(prompt):
   m = _model()

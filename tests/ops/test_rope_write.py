@@ -30,6 +30,8 @@ def _case(T, Hq, Hkv, Dh, R, dtype, seed=0, qk_norm=True):
     (3, 4, 4, 64, 32, "int8", False),     # partial rotary (glm4moe), no qk norm
     (8, 16, 2, 16, 16, "bf16", True),     # a verify-sized pass, bf16 ring
     (2, 8, 2, 32, 16, "f32", True),
+    (4, 4, 2, 64, 16, "int8", True),      # a tail of 48 columns = 32 + 16 (the tiny hybrid files)
+    (1, 2, 1, 256, 64, "int8", True),     # the hybrid family's heads: 256 wide, 64 rotated, 128 + 64 passed through
 ])
 def test_kernel_matches_reference(T, Hq, Hkv, Dh, rope_dim, dtype, qk_norm):
   R = 64
@@ -96,8 +98,9 @@ def test_dispatch_falls_back_on_unsupported_shapes():
 
 @pytest.mark.parametrize("platform", list(DEVICES))
 def test_lowers(platform):
-  """The 30B shape (Hq 32, Hkv 4, Dh 128, full rotary, int8 ring) and glm4moe's partial rotary lower for both."""
-  for Hq, Hkv, Dh, rd, qk in ((32, 4, 128, 128, True), (16, 2, 128, 64, False)):
+  """The 30B shape (Hq 32, Hkv 4, Dh 128, full rotary, int8 ring), glm4moe's partial rotary and qwen3next-80b-a3b's
+  gated attention (Dh 256, 64 rotated) lower for both."""
+  for Hq, Hkv, Dh, rd, qk in ((32, 4, 128, 128, True), (16, 2, 128, 64, False), (16, 2, 256, 64, True)):
     T, R = 1, 4096
     args = [jax.ShapeDtypeStruct((T, (Hq + 2 * Hkv) * Dh), jnp.float32),
             jax.ShapeDtypeStruct((Dh,), jnp.float32) if qk else None,
@@ -111,19 +114,30 @@ def test_lowers(platform):
     assert "__gpu$xla.gpu.triton" in txt
 
 
-@pytest.mark.parametrize("which", ["default", "qwen3moe"])
+def test_tail_pieces_are_powers_of_two_covering_the_tail():
+  assert rw.tail_pieces(256, 64) == [(64, 128), (192, 64)]
+  assert rw.tail_pieces(64, 16) == [(16, 32), (48, 16)]
+  assert rw.tail_pieces(128, 128) == [] and rw.tail_pieces(128, 2) == [(2, 64), (66, 32), (98, 16), (114, 8),
+                                                                       (122, 4), (126, 2)]
+  assert rw.supported(16, 2, 256, 64) is None
+
+
+@pytest.mark.parametrize("which", ["default", "qwen3moe", "qwen3next"])
 def test_model_with_the_kernel(which, monkeypatch):
   """In the model (interpret mode): the same greedy tokens with the kernel as with the separate jnp ops, and greedy
   speculative decoding with the kernel (NextN block: RoPE offset 1, its own ring) emits the plain greedy tokens.
-  default: glm4moe, partial rotary, q/k/v bias, NextN; qwen3moe: per-head q/k norm, full rotary."""
+  default: glm4moe, partial rotary, q/k/v bias, NextN; qwen3moe: per-head q/k norm, full rotary; qwen3next (greedy
+  only: its verify passes are tests/decode/test_hybrid_speculative.py's): gated attention beside DeltaNet layers, q/k
+  norm, 16 of 64 dims rotated (a 48-column tail)."""
   from decode.engine import generate
   from decode.speculative import speculative_generate
   from model.loader import load_model
   from model.options import Options
   from ops.qtensor import with_kernels
   from tests.models import model_path
-  m = load_model("configs/data/default.gguf" if which == "default" else model_path("qwen3moe", "Q8_0"))
-  assert "wqkv" in m.params["blk_0"]["attn"]                  # fused at load: the kernel's precondition
+  m = load_model("configs/data/default.gguf" if which == "default" else model_path(which, "Q8_0"))
+  first = m.cfg.attention_layers[0] if m.cfg.recurrent else 0
+  assert "wqkv" in m.params[f"blk_{first}"]["attn"]          # fused at load: the kernel's precondition
   m.params = with_kernels(m.params, "interpret")
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, 500, 12)]
   kw = dict(max_new_tokens=10, stop_at_eos=False, kv="int8", kv_resident=256)
