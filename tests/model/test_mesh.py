@@ -10,7 +10,8 @@ reference, and each mesh (ep=2 on devices 0-1, ep=4 on devices 0-3) runs the sam
 - on one of the two meshes (alternating by architecture, `spec_mesh`), speculative greedy generation through
   decode.speculative (NextN drafts where the file has a NextN block, else replay drafts), and for the first
   architecture the engine's plain loop (decode.engine.generate);
-- on the other, the same prefill and steps on a ring of 512 slots against 256.
+- on the other, the same prefill and steps on a ring of 512 slots against 256;
+- and for the first architecture its IQ3_S mix (packed experts) under ep=2, restored from an orbax cache entry.
 The logits bound: a mesh changes only the float32 order of the sum over a token's top-k expert outputs (per device,
 then the psum across devices), an error of a few ulp of each MoE output. The bound is measured on the one-device run
 itself: its logits' change when every MoE output is scaled by (1 + 2^-22) (about four ulp; the "sensitivity", large
@@ -34,6 +35,7 @@ if __name__ == "__main__":                           # the driver: this checkout
 ARCHS = ("glm4moe", "qwen3moe", "qwen2moe", "qwen3next", "qwen35moe")
 MESHES = ("ep=2", "ep=4")
 N_NEW = 10
+QUANT, QUANT_MESH = "IQ3_S", "ep=2"   # a llama.cpp-quantized mix of the first arch's file, through the orbax cache
 PERTURB = 2.0 ** -22      # relative scaling of each MoE output in the sensitivity run
 FACTOR = 8.0
 
@@ -55,6 +57,7 @@ def _drive(out_path: str) -> None:
   from model.loader import load_model
   from model.mesh import device_bytes, make_mesh, parse_mesh, replicate
   from model.options import LayerOps, Options
+  from jax.sharding import PartitionSpec as P
   from ops import moe as moe_ops
   from tests.models import model_path
 
@@ -103,6 +106,18 @@ def _drive(out_path: str) -> None:
       else:
         lg2, ids2 = chain(m, opts, mesh, cap=512)
         out.update(cap_bitwise=bool((lg2 == lg).all()), cap_ids=ids2)
+    if arch == ARCHS[0]:                             # packed experts (QTensor planes) restored from an orbax entry
+      import tempfile
+      qpath, cache = model_path(arch, QUANT), tempfile.mkdtemp()
+      mq = load_model(qpath, cache_dir=cache)         # one device, writes the entry
+      qref, qids = chain(mq, Options(), None)
+      mesh = make_mesh(parse_mesh(QUANT_MESH, 4))
+      mm = load_model(qpath, cache_dir=cache, mesh=mesh)
+      planes = mm.params["blk_1"]["ffn"]["gate_exps"].planes
+      lg, ids = chain(mm, Options(mesh=mesh), mesh)
+      res["quant"] = {"from_cache": mm.from_cache, "logit_diff": float(np.abs(lg - qref).max()), "ids": ids,
+                      "ref_ids": qids, "split": all(p.sharding.spec == P("ep") for p in planes),
+                      "max_logit": float(np.abs(qref).max()), "qtype": mm.params["blk_1"]["ffn"]["gate_exps"].qtype}
   with open(out_path, "w") as f:
     json.dump(res, f)
 
@@ -155,6 +170,15 @@ def test_speculative_equals_plain_greedy_under_the_mesh(mesh_runs, arch):
   assert r["spec"] == r["ids"] == mesh_runs[arch]["ids"]
   if r["drafter"] == "replay":
     assert all(n > 0 for n in r["accepted"])
+
+
+def test_packed_experts_from_the_orbax_cache_under_the_mesh(mesh_runs):
+  """The IQ3_S mix of the glm4moe file (packed QTensor planes, each split on its expert axis), restored from an orbax
+  entry and placed after the restore: the same greedy tokens as one device, logits within the F16 files' bound."""
+  q, r = mesh_runs["quant"], mesh_runs[ARCHS[0]]
+  assert q["from_cache"] and q["qtype"] == "IQ3_S" and q["split"]
+  assert q["ids"] == q["ref_ids"]
+  assert q["logit_diff"] <= FACTOR * r["sensitivity"] + 1e-6 * q["max_logit"], q["logit_diff"]
 
 
 def test_engine_generate_under_the_mesh_equals_one_device(mesh_runs):
