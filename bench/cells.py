@@ -78,6 +78,8 @@ flags.DEFINE_bool("reuse_prefill", False, "arms that share a prompt, ring, tier 
                   "(bench.prefill_cache.PrefillCache; TTFT reports the original prefill's time, records say prefill_reused): "
                   "seeds run outermost and each arm's compiling run takes seed 0's prompt. For deep cells, whose "
                   "prefill dwarfs the decode")
+flags.DEFINE_string("mesh", None, "split the model over this host's devices: ep=N (routed experts by expert id, the "
+                    "rest replicated; model/mesh.py); default: one device")
 flags.DEFINE_string("cells", "/tmp/moejax-bench/cells.jsonl", "JSONL output (one record per timed run)")
 flags.DEFINE_string("plot", None, "PNG of decode tok/s against depth per arm (default: beside --cells)")
 flags.DEFINE_list("report", None, "JSONL files of earlier runs: print their table, verdicts and plot for the arms the "
@@ -176,13 +178,27 @@ def _text_tokens(model, n: int, seed: int) -> list[int]:
   return ids[start:start + n]
 
 
+def mesh():
+  """The --mesh of every cell (model.mesh.make_mesh; None: one device); a CLIError naming the flag when bad. Meshes
+  of one spec compare equal, so every cell's Options hash alike."""
+  import jax
+
+  from model.mesh import MeshError, make_mesh, parse_mesh
+  try:
+    return make_mesh(parse_mesh(FLAGS.mesh, len(jax.devices())))
+  except MeshError as e:
+    raise CLIError(f"--mesh: {e}") from None
+
+
 def model_options():
-  """The model Options of every cell: the flags' idle-tier skip, prefill precision and attention kernel tuning."""
+  """The model Options of every cell: the flags' idle-tier skip, prefill precision, attention kernel tuning and
+  mesh."""
   from model.options import Options
   from ops.attention_pallas import parse_spec
   from ops.tuning import Tunings
   tunings = Tunings(attention=parse_spec(FLAGS.attn_kernel)) if FLAGS.attn_kernel else None
-  return Options(skip_idle_tier=FLAGS.host_skip_idle, prefill_precision=FLAGS.prefill_precision, tunings=tunings)
+  return Options(skip_idle_tier=FLAGS.host_skip_idle, prefill_precision=FLAGS.prefill_precision, tunings=tunings,
+                 mesh=mesh())
 
 
 def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffer: int | None = None) -> dict:
@@ -467,9 +483,14 @@ def main(argv):
   from configs.default import default_model_path
   from model.loader import load_model
   from ops.qtensor import with_kernels
-  path = FLAGS.gguf
+  from model.mesh import MeshError, shard_params
+  path, the_mesh = FLAGS.gguf, mesh()
   if path is None and FLAGS.preset and FLAGS.in_memory:
     model = _in_memory_model(FLAGS.preset, FLAGS.experts)
+    try:
+      model.params = shard_params(model.params, the_mesh)   # built on one device first: a model that fits one
+    except MeshError as e:
+      raise CLIError(f"--mesh: {e}") from None
     path = f"in-memory:{FLAGS.preset}:{FLAGS.experts}"
   elif path is None and FLAGS.preset:
     from configs import synth
@@ -482,7 +503,10 @@ def main(argv):
         raise CLIError(f"--experts {FLAGS.experts}: {e}") from None
   if not path or not path.startswith("in-memory"):
     path = path or default_model_path()
-    model = load_model(path)
+    try:
+      model = load_model(path, mesh=the_mesh)        # under a mesh: placed one tensor at a time as it loads
+    except MeshError as e:
+      raise CLIError(f"--mesh: {e}") from None
   model.params = with_kernels(model.params, FLAGS.kernels)
   from ops import attention_pallas, qgemm_pallas
   table_dots = attention_pallas.TUNING.get(model.cfg.head_dim, attention_pallas.DEFAULT_TUNING).dots
@@ -521,7 +545,7 @@ def main(argv):
                "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
                "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or table_dots,
                "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels, FLAGS.prefill_precision),
-               "model": path, "arch": model.cfg.arch}, "seed": seed, "commit": commit, "device": device,
+               "model": path, "arch": model.cfg.arch, "mesh": FLAGS.mesh}, "seed": seed, "commit": commit, "device": device,
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0,
                "first_run_s": first_run[arm.name], "log": log_path, "stats": st}
         records.append(rec)

@@ -253,21 +253,26 @@ def test_plan_has_a_row_per_device_and_names_the_device_over_budget():
     tight.check()
 
 
-CLI_CASES = {   # --mesh flags -> the stderr line decode.generate must end with (four CPU devices)
+CLI_CASES = {   # --mesh flags -> the stderr line decode.generate (bench.cells: "bench") must give (four CPU devices)
     "devices": (["--mesh", "ep=8"], "error: --mesh: 'ep=8': ep x tp = 8 devices, expected at most the 4 devices there are"),
     "experts": (["--mesh", "ep=3"], "error: --mesh: ep=3: blk_1/ffn/gate_exps has 16 experts, expected a number "
                 "divisible by ep"),
     "plan": (["--mesh", "ep=4", "--device_budget", "8MiB"], "error: memory plan: 0.01 GiB on device cpu:0 exceeds the "
              "budget 0.01 GiB"),
+    "bench": (["--mesh", "tp=2"], "error: --mesh: 'tp=2': tp=2, tensor parallelism is not implemented yet"),
 }
 
 
-def test_bad_mesh_through_the_cli_is_one_line_exit_1():
+def test_bad_mesh_through_the_cli_is_one_line_exit_1(tmp_path):
   """decode.generate on the default model (16 experts): a mesh over more devices than there are, an ep that does not
-  divide the experts, a plan over a device's budget: each one line on stderr, exit 1, no token printed."""
+  divide the experts, a plan over a device's budget; bench.cells: a tp mesh. Each one line on stderr, exit 1, no
+  token printed."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  procs = {k: subprocess.Popen([sys.executable, "-m", "decode.generate", "--prompt", "Hi", "--max_new_tokens", "2",
-                                *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  gen = ["-m", "decode.generate", "--prompt", "Hi", "--max_new_tokens", "2"]
+  bench = ["-m", "bench.cells", "--rings", "2048", "--depths", "16", "--max_new_tokens", "2", "--seeds", "1",
+           "--cells", os.path.join(str(tmp_path), "c.jsonl")]
+  procs = {k: subprocess.Popen([sys.executable, *(bench if k == "bench" else gen), *flags], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for k, (flags, _) in CLI_CASES.items()}
   for k, p in procs.items():
     out, err = p.communicate(timeout=300)
