@@ -51,8 +51,8 @@ def _drive(out_path: str) -> None:
   import jax.numpy as jnp
   import numpy as np
 
-  from decode.engine import GenConfig, generate
-  from decode.speculative import speculative_generate
+  from decode.engine import GenConfig, decode_loop, generate
+  from decode.speculative import spec_loop, speculative_generate
   from model import api
   from model.loader import load_model
   from model.mesh import device_bytes, make_mesh, parse_mesh, replicate
@@ -98,11 +98,15 @@ def _drive(out_path: str) -> None:
       if text == spec_mesh(arch):
         gen = GenConfig(max_new_tokens=N_NEW, stop_at_eos=False, options=opts)
         drafter = "mtp" if m.cfg.n_nextn else "replay"
+        n0 = spec_loop._cache_size()
         sp = speculative_generate(m, prompt, gen, drafter=drafter, k=3, mtp_window=64,
                                   replay_ids=ids if drafter == "replay" else None)
-        out.update(spec=sp.ids, drafter=drafter, accepted=sp.stats["drafts_accepted"])
+        out.update(spec=sp.ids, drafter=drafter, accepted=sp.stats["drafts_accepted"],
+                   spec_compiles=spec_loop._cache_size() - n0)
         if arch == ARCHS[0]:                         # the engine's plain loop under a mesh, once
+          n0 = decode_loop._cache_size()
           out["generate"] = generate(m, prompt, gen).ids
+          out["loop_compiles"] = decode_loop._cache_size() - n0
       else:
         lg2, ids2 = chain(m, opts, mesh, cap=512)
         out.update(cap_bitwise=bool((lg2 == lg).all()), cap_ids=ids2)
@@ -167,6 +171,7 @@ def test_speculative_equals_plain_greedy_under_the_mesh(mesh_runs, arch):
   tokens of plain decoding, under the mesh and on one device."""
   r = mesh_runs[arch][spec_mesh(arch)]
   assert r["drafter"] == ("replay" if arch in ("qwen3moe", "qwen2moe") else "mtp")
+  assert r["spec_compiles"] == 1        # the compiling call (no round) compiled what the timed call ran
   assert r["spec"] == r["ids"] == mesh_runs[arch]["ids"]
   if r["drafter"] == "replay":
     assert all(n > 0 for n in r["accepted"])
@@ -182,8 +187,12 @@ def test_packed_experts_from_the_orbax_cache_under_the_mesh(mesh_runs):
 
 
 def test_engine_generate_under_the_mesh_equals_one_device(mesh_runs):
+  """decode.engine.generate (prefill, then the jitted while loop) under the mesh: one device's tokens, and its
+  loop compiled once (the state is committed replicated on the mesh before the compiling call, so the timed call
+  reuses it: engine.commit_for_store)."""
   r = mesh_runs[ARCHS[0]]
   assert r[spec_mesh(ARCHS[0])]["generate"] == r["ids"]
+  assert r[spec_mesh(ARCHS[0])]["loop_compiles"] == 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
