@@ -177,7 +177,8 @@ def expert_parallel(moe, mesh: jax.sharding.Mesh, n_experts: int):
   Inside a shard_map each device sees its E/ep local experts (gate/up/down with spec P("ep"), everything else
   replicated); a pair routed to an expert it does not own gets weight 0 and local id 0, so its term of the sum over
   top-k is exactly 0, and `moe` runs as on one device (told the model's n_experts, so it picks the same gather /
-  grouped path). A psum over "ep" adds the devices' partial outputs: y is replicated. Float32: the sum over a
+  grouped path; told which pairs the device owns, so the decode kernels skip the others and read only the device's
+  own experts' rows: ops.moe.moe's `owned`). A psum over "ep" adds the devices' partial outputs: y is replicated. Float32: the sum over a
   token's X experts runs per device, then across devices, instead of in top-k order."""
   ep = mesh.shape["ep"]
   e_local = n_experts // ep
@@ -186,7 +187,7 @@ def expert_parallel(moe, mesh: jax.sharding.Mesh, n_experts: int):
     e0 = jax.lax.axis_index("ep") * e_local
     own = (ids_TX >= e0) & (ids_TX < e0 + e_local)
     y = moe(x_TD, jnp.where(own, ids_TX - e0, 0), jnp.where(own, w_TX, 0).astype(w_TX.dtype), gate, up, down,
-            n_experts=n_experts)
+            n_experts=n_experts, owned=own)
     return jax.lax.psum(y.astype(jnp.float32), "ep")
 
   def run(x_TD, ids_TX, w_TX, gate, up, down):

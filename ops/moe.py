@@ -139,17 +139,21 @@ def moe_ref(x_TD, ids_TX, w_TX, gate, up, down, *, n_experts: int | None = None)
 
 
 def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, precision: str = "auto",
-        n_experts: int | None = None):
+        n_experts: int | None = None, owned=None):
   """Dispatch on the experts' `kernel` field: "pallas" / "interpret" take the decode kernels (ops/moe_pallas)
   for T <= 16 tokens and the grouped tensor-core GEMM (ops/moe_grouped_pallas: row tiles of one expert) for more,
   when the types have kernels; everything else takes `moe_ref`. tunings (static): the kernels' pieces (`moe`,
   `grouped`, by the gate/up type); precision: the grouped GEMM's ("auto" | "f32" | "bf16"; the decode kernels and
-  the reference run float32); n_experts: as moe_ref's (the reference's path choice)."""
+  the reference run float32); n_experts: as moe_ref's (the reference's path choice); owned (expert parallel,
+  model.mesh): bool [T, X], False for a pair routed to an expert this device does not hold (its weight must be 0,
+  its id any local one): the decode kernels skip it (no expert rows read), the other paths compute it with weight 0.
+  None: every pair is computed (the one-device path, unchanged)."""
   if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kernel in ("pallas", "interpret"):
     interpret = gate.kernel == "interpret"
     if moe_pallas.supported(x_TD, ids_TX, gate, up, down):
-      return moe_pallas.moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, interpret=interpret,
-                                   tuning=pick(tunings, "moe", gate.qtype))
+      ids = ids_TX if owned is None else jnp.where(owned, ids_TX, -1)
+      return moe_pallas.moe_pallas(x_TD, ids, w_TX, gate, up, down, interpret=interpret,
+                                   tuning=pick(tunings, "moe", gate.qtype), skip=owned is not None)
     if moe_grouped_pallas.supported(gate, up, down):
       return moe_grouped_pallas.moe_grouped_pallas(x_TD, ids_TX, w_TX, gate, up, down, interpret=interpret,
                                                    tuning=pick(tunings, "grouped", gate.qtype), precision=precision)

@@ -63,7 +63,7 @@ def _lead(lid_ref, e):
 
 
 def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_qtype, stacked,
-                   KS, natural, natural_h):
+                   KS, natural, natural_h, skip):
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   if KS > 1:
     *w_refs, g_ref, u_ref = refs
@@ -72,11 +72,13 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, X, F, BN, S, nb
   n = len(names)
   G, U = dict(zip(names, w_refs[:n])), dict(zip(names, w_refs[n:]))
   p = pl.program_id(1)
-  pre = _lead(lid_ref, ids_ref[p])
+  e = ids_ref[p]
+  pre = _lead(lid_ref, jnp.maximum(e, 0))
   t = p // X
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), F - 1)
 
-  off = pl.program_id(2) * (nb // KS) if KS > 1 else 0           # split K: this program's share of the blocks
+  kid = pl.program_id(2) if KS > 1 else 0                         # (read here: not inside a branch)
+  off = kid * (nb // KS)                                          # split K: this program's share of the blocks
 
   def tile_sums(b0, s):
     b0 = b0 + off
@@ -86,31 +88,56 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, X, F, BN, S, nb
     return qp.row_sums(g), qp.row_sums(u)
 
   zero = jnp.zeros((BN,), F32)
-  g, u = qp.k_loop(nb // KS, S, unroll, tile_sums, (zero, zero))
-  if KS > 1:                          # partial sums; XLA adds the KS parts in a fixed order, then SiLU(g) * u
-    g_ref[pl.program_id(2), p, rows] = g
-    u_ref[pl.program_id(2), p, rows] = u
+
+  def write(g, u):
+    if KS > 1:                        # partial sums; XLA adds the KS parts in a fixed order, then SiLU(g) * u
+      g_ref[kid, p, rows] = g
+      u_ref[kid, p, rows] = u
+      return
+    h = g / (1.0 + jnp.exp(-g)) * u
+    h_ref[p, rows if natural_h else qp.x_view_index(down_qtype, rows)] = h
+
+  if not skip:
+    write(*qp.k_loop(nb // KS, S, unroll, tile_sums, (zero, zero)))
     return
-  h = g / (1.0 + jnp.exp(-g)) * u
-  h_ref[p, rows if natural_h else qp.x_view_index(down_qtype, rows)] = h
+
+  @pl.when(e >= 0)
+  def _():
+    write(*qp.k_loop(nb // KS, S, unroll, tile_sums, (zero, zero)))
+
+  @pl.when(e < 0)                     # a skipped pair: no expert rows read, h = 0
+  def _():
+    write(zero, zero)
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural):
-  """Program (i, p): w[p] * (down[ids[p]] . h[p]) over rows [i*BN, i*BN + BN)."""
+def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural, skip):
+  """Program (i, p): w[p] * (down[ids[p]] . h[p]) over rows [i*BN, i*BN + BN); 0 for a skipped pair (ids[p] < 0,
+  with `skip`)."""
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), D - 1)
   p = pl.program_id(1)
-  pre = _lead(lid_ref, ids_ref[p])
+  e = ids_ref[p]
+  pre = _lead(lid_ref, jnp.maximum(e, 0))
 
   def tile_sums(b0, s):
     xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     return (qp.row_sums(y),)
 
-  (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
-  o_ref[p, rows] = w_ref[p] * y
+  def run():
+    (y,) = qp.k_loop(nb, S, unroll, tile_sums, (jnp.zeros((BN,), F32),))
+    o_ref[p, rows] = w_ref[p] * y
+
+  if not skip:
+    run()
+    return
+  pl.when(e >= 0)(run)
+
+  @pl.when(e < 0)
+  def _():
+    o_ref[p, rows] = jnp.zeros((BN,), F32)
 
 
 def supported(x_TD, ids_TX, gate, up, down) -> bool:
@@ -124,8 +151,8 @@ def _cfg(kernel, qtype, rows, nb, tile):
   return qp.config(qtype, rows, nb, fill(tile, TUNING[kernel, qtype]))
 
 
-@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS"))
-def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd, KS):
+@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip"))
+def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd, KS, skip):
   T, X = ids_TX.shape
   P = T * X
   ids = ids_TX.reshape(P).astype(I32)
@@ -136,7 +163,7 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
   nat_g, nat_d = qp.x_natural(cg, 1), qp.x_natural(cd, 1)     # one token (or pair) per program in both kernels
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, X=X, F=F, BN=cg.BN, S=cg.S,
                              nb=nbD, unroll=cg.unroll, down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
-                             natural_h=nat_d)
+                             natural_h=nat_d, skip=skip)
   parts = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg.BN), P, KS),
       out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
@@ -150,7 +177,7 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
   view = qp.XVIEW[dq] if nat_d else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
   h = h.reshape(P, nbF, *view)                                             # the x layout of dq
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd.BN, S=cd.S, nb=nbF,
-                           unroll=cd.unroll, stacked=stacked, natural=nat_d)
+                           unroll=cd.unroll, stacked=stacked, natural=nat_d, skip=skip)
   y = pl.pallas_call(
       down, out_shape=jax.ShapeDtypeStruct((P, D), F32), grid=(pl.cdiv(D, cd.BN), P),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",
@@ -163,11 +190,13 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
 
 
 def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: bool = False,
-               tuning: Tuning | None = None):
+               tuning: Tuning | None = None, skip: bool = False):
   """sum_k w[t, k] * down[e](silu(gate[e] x_t) * up[e] x_t), e = ids[t, k]; packed QTensor experts
   gate/up [E, F, D], down [E, D, F]; T <= 16. With `layer` (an int32 scalar, may be traced) the experts are
   stacked over layers, [L, E, F, D] / [L, E, D, F], and layer `layer` is used without slicing it out.
-  tuning (static): the tiles' fields to set over TUNING, and the split ks."""
+  tuning (static): the tiles' fields to set over TUNING, and the split ks. skip (static): a pair whose id is
+  negative (an expert another device owns, under expert parallelism) is skipped: its programs read no expert rows
+  and its terms are 0. Off: the kernels are those without the branch."""
   g3, u3, d3 = (w if layer is None else w[0] for w in (gate, up, down))   # per-layer view, for the checks only
   if not supported(x_TD, ids_TX, g3, u3, d3) or len(gate.shape) != 3 + (layer is not None):
     raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} {gate.shape} with {ids_TX.shape[0]} "
@@ -179,5 +208,5 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
   if ks < 1 or nbD % ks or ks & (ks - 1):
     raise ValueError(f"moe_pallas gateup: ks={ks} must be a power of two dividing {nbD} blocks")
   return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
-              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks,
+              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip),
               cg=_cfg("gateup", gate.qtype, F, nbD // ks, t.gateup), cd=_cfg("down", down.qtype, D, nbF, t.down))

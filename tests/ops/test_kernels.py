@@ -202,6 +202,29 @@ def test_moe_split_k_matches_reference(ks):
     moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, tuning=moe_pallas.Tuning(ks=3))
 
 
+@pytest.mark.parametrize("ks", [1, 2])
+@pytest.mark.parametrize("gq,dq", [("IQ3_S", "Q4_K"), ("Q8_0", "IQ4_NL")])
+def test_moe_skip_pairs_with_a_negative_id(gq, dq, ks):
+  """skip=True (expert parallel: pairs another device owns): a pair with id -1 reads no expert and adds 0; the
+  result equals the kernel without skip on the same pairs at id 0 with weight 0 (bitwise) and the reference."""
+  rng = np.random.default_rng(17)
+  E, F, D, K, B = 4, 256, 512, 3, 3
+  g = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
+  u = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
+  d = QTensor.from_gguf(quant.random_blocks(dq, (E, D, F), rng), dq, F)
+  x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
+  ids = np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32)
+  own = np.array([[True, False, True], [False, False, True], [False, False, False]])
+  w = np.where(own, rng.random((B, K)), 0).astype(np.float32)
+  ov = moe_pallas.Tuning(gateup=QMM(BN=64, S=1), down=QMM(BN=64, S=1), ks=ks)
+  y = moe_pallas.moe_pallas(x, jnp.asarray(np.where(own, ids, -1)), jnp.asarray(w), g, u, d, interpret=True,
+                            tuning=ov, skip=True)
+  at0 = jnp.asarray(np.where(own, ids, 0))
+  y0 = moe_pallas.moe_pallas(x, at0, jnp.asarray(w), g, u, d, interpret=True, tuning=ov)
+  assert np.array_equal(np.asarray(y), np.asarray(y0)) and not np.asarray(y)[2].any()
+  assert _relerr(y, moe_ops.moe_ref(x, at0, jnp.asarray(w), g, u, d)) < TOL_MOE
+
+
 def test_qmatmul_stacked_layer_index_matches_reference():
   rng = np.random.default_rng(12)
   w = QTensor.from_gguf(quant.random_blocks("Q4_K", (3, 40, 512), rng), "Q4_K", 512)

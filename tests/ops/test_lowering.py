@@ -66,6 +66,11 @@ def test_moe_stacked_and_split_k_lower(platform):
   txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(2),
                                                                         tuning=ov), x, ids, w, g, g, d)
   assert txt.count("__gpu$xla.gpu.triton") == 2
+  g, d = _abstract_qtensor("IQ3_S", (64, 768, 2048)), _abstract_qtensor("Q4_K", (64, 2048, 768))
+  for ks in (1, 4):                    # expert parallel: pairs with a negative id skipped (a branch per program)
+    txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(
+        x, i, w, g, u, d, tuning=moe_pallas.Tuning(ks=ks), skip=True), x, ids, w, g, g, d)
+    assert txt.count("__gpu$xla.gpu.triton") == 2
 
 
 @pytest.fixture(params=["f32", "bf16"])
