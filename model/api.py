@@ -36,8 +36,10 @@ MATMUL_PRECISION = "highest"
 def fuse_qkv(params: dict) -> dict:
   """The params with each attention's wq, wk, wv (and bq, bk, bv) stacked into one `wqkv` (`bqkv`) where they
   share a type (ops.qtensor.concat_rows): one matmul and one kernel launch instead of three, and the small k and
-  v projections (N = Hkv * Dh rows) no longer run on a few programs each. The bytes are the file's; every output
-  row is computed as before. Applied by model.loader.load_model; unfused params run as well."""
+  v projections (N = Hkv * Dh rows) no longer run on a few programs each; likewise a Gated DeltaNet layer's wqkv,
+  wz, wbeta and walpha into one `win` (four launches to one; beta and alpha are Hv rows each). The bytes are the
+  file's; every output row is computed as before. Applied by model.loader.load_model; unfused params run as
+  well."""
   from ops.qtensor import concat_rows
 
   def walk(node):
@@ -52,6 +54,13 @@ def fuse_qkv(params: dict) -> dict:
         node["wqkv"] = w
         if all(n in node for n in ("bq", "bk", "bv")):
           node["bqkv"] = jnp.concatenate([node.pop("bq"), node.pop("bk"), node.pop("bv")])
+    gdn = ("wqkv", "wz", "wbeta", "walpha")
+    if all(n in node for n in gdn) and "conv" in node:     # a Gated DeltaNet layer's four input projections
+      w = concat_rows([node[n] for n in gdn])
+      if w is not None:
+        for n in gdn:
+          del node[n]
+        node["win"] = w
     return node
   return walk(params)
 

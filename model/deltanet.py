@@ -13,7 +13,8 @@ the gated output norm runs the RMSNorm kernel too (one program per token and hea
 `RecurrentLayer` (None: a zero state, training) and returns it; with `keep` the per-token states too.
 
 Params (model/gguf_io.py tensor_map): wqkv [Cc, D], wz [Hv Dv, D], wbeta / walpha [Hv, D], conv [Cc, Kc],
-dt_bias [Hv], a [Hv], norm [Dv], wo [D, Hv Dv].
+dt_bias [Hv], a [Hv], norm [Dv], wo [D, Hv Dv]; after model.api.fuse_qkv (at load, where the four input
+projections share a type) `win` [Cc + Hv Dv + 2 Hv, D] in their place: one matmul, split after.
 """
 from __future__ import annotations
 
@@ -48,11 +49,16 @@ class GatedDeltaNet(nn.Module):
     D, Hk, Hv, Dk, Dv, Cc, Kc = c.d_model, c.Hk, c.Hv, c.Dk, c.Dv, c.Cc, c.Kc
     T = x_TD.shape[0]
     lin = _op(self.opts, "linear", linear)
-    wqkv = _param(self, "wqkv", _init, (Cc, D))
-    qkv_TCc = lin(x_TD, wqkv)
-    z_THvDv = lin(x_TD, _param(self, "wz", _init, (Hv * Dv, D))).reshape(T, Hv, Dv)
-    b_THv = lin(x_TD, _param(self, "wbeta", _init, (Hv, D)))
-    a_THv = lin(x_TD, _param(self, "walpha", _init, (Hv, D)))
+    if self.has_variable("params", "win"):          # fused at load (model.api.fuse_qkv): one matmul, one launch
+      wqkv = self.get_variable("params", "win")
+      qkv_TCc, z, b_THv, a_THv = jnp.split(lin(x_TD, wqkv), [Cc, Cc + Hv * Dv, Cc + Hv * Dv + Hv], axis=-1)
+    else:
+      wqkv = _param(self, "wqkv", _init, (Cc, D))
+      qkv_TCc = lin(x_TD, wqkv)
+      z = lin(x_TD, _param(self, "wz", _init, (Hv * Dv, D)))
+      b_THv = lin(x_TD, _param(self, "wbeta", _init, (Hv, D)))
+      a_THv = lin(x_TD, _param(self, "walpha", _init, (Hv, D)))
+    z_THvDv = z.reshape(T, Hv, Dv)
     conv_CcKc = _param(self, "conv", _init, (Cc, Kc))
     g_THv, beta_THv = gd.gate_and_beta(a_THv, b_THv, _param(self, "dt_bias", _zeros, (Hv,)).astype(jnp.float32),
                                        _param(self, "a", _a_init, (Hv,)).astype(jnp.float32))
