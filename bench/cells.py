@@ -545,7 +545,8 @@ def main(argv):
                "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
                "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or table_dots,
                "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels, FLAGS.prefill_precision),
-               "model": path, "arch": model.cfg.arch, "mesh": FLAGS.mesh}, "seed": seed, "commit": commit, "device": device,
+               "model": path, "arch": model.cfg.arch, "mesh": FLAGS.mesh}, "seed": seed, "commit": commit,
+               "device": device,
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": time.time() - t0,
                "first_run_s": first_run[arm.name], "log": log_path, "stats": st}
         records.append(rec)

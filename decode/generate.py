@@ -140,7 +140,8 @@ def run() -> dict:
   kvr = None if FLAGS.kv_resident == "auto" else int(FLAGS.kv_resident)
   gen = GenConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p,
                   seed=FLAGS.seed, kv=FLAGS.kv, kv_resident=kvr, max_context=FLAGS.max_context,
-                  prefill_chunk=FLAGS.prefill_chunk, options=Options(prefill_precision=FLAGS.prefill_precision, mesh=mesh))
+                  prefill_chunk=FLAGS.prefill_chunk,
+                  options=Options(prefill_precision=FLAGS.prefill_precision, mesh=mesh))
   drafter = _drafter(model.cfg)
   _check_window(gen, len(ids), FLAGS.mtp_draft if drafter != "none" else 0)
   plan, slots = _plan(model, gen, len(ids), drafter)

@@ -106,7 +106,8 @@ class MemoryPlan:
     if self.budget is not None:
       rows.append(f"| budget | | {'each device' if self.devices else 'device'} | {self.budget / GiB:.3f} |")
     if self.devices:
-      rows += ["", "| device | weights GiB | replicated GiB | total GiB | free GiB |", "| --- | ---: | ---: | ---: | ---: |"]
+      rows += ["", "| device | weights GiB | replicated GiB | total GiB | free GiB |",
+               "| --- | ---: | ---: | ---: | ---: |"]
       for (d, w), (_, t) in zip(self.devices, self.device_totals()):
         free = "" if self.budget is None else f"{(self.budget - t) / GiB:.3f}"
         rows.append(f"| {d} | {w / GiB:.3f} | {(t - w) / GiB:.3f} | {t / GiB:.3f} | {free} |")

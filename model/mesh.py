@@ -178,8 +178,8 @@ def expert_parallel(moe, mesh: jax.sharding.Mesh, n_experts: int):
   replicated); a pair routed to an expert it does not own gets weight 0 and local id 0, so its term of the sum over
   top-k is exactly 0, and `moe` runs as on one device (told the model's n_experts, so it picks the same gather /
   grouped path; told which pairs the device owns, so the decode kernels skip the others and read only the device's
-  own experts' rows: ops.moe.moe's `owned`). A psum over "ep" adds the devices' partial outputs: y is replicated. Float32: the sum over a
-  token's X experts runs per device, then across devices, instead of in top-k order."""
+  own experts' rows: ops.moe.moe's `owned`). A psum over "ep" adds the devices' partial outputs: y is replicated.
+  Float32: the sum over a token's X experts runs per device, then across devices, instead of in top-k order."""
   ep = mesh.shape["ep"]
   e_local = n_experts // ep
 

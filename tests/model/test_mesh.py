@@ -279,7 +279,8 @@ def test_plan_has_a_row_per_device_and_names_the_device_over_budget():
   devices = {"cpu:0": 4 * MiB, "cpu:1": 6 * MiB}
   plan = make_plan(cfg, weight_bytes=10 * MiB, ring=1024, devices=devices, budget=64 * MiB)
   rest = plan.device_bytes - plan.get("weights")
-  assert plan.get("weights") == 6 * MiB and plan.device_totals() == [("cpu:0", 4 * MiB + rest), ("cpu:1", 6 * MiB + rest)]
+  assert plan.get("weights") == 6 * MiB
+  assert plan.device_totals() == [("cpu:0", 4 * MiB + rest), ("cpu:1", 6 * MiB + rest)]
   assert plan.free == 64 * MiB - 6 * MiB - rest
   table = plan.table()
   assert "| cpu:0 | 0.004 |" in table and "| cpu:1 | 0.006 |" in table
@@ -290,7 +291,8 @@ def test_plan_has_a_row_per_device_and_names_the_device_over_budget():
 
 
 CLI_CASES = {   # --mesh flags -> the stderr line decode.generate (bench.cells: "bench") must give (four CPU devices)
-    "devices": (["--mesh", "ep=8"], "error: --mesh: 'ep=8': ep x tp = 8 devices, expected at most the 4 devices there are"),
+    "devices": (["--mesh", "ep=8"], "error: --mesh: 'ep=8': ep x tp = 8 devices, expected at most the 4 devices "
+                "there are"),
     "experts": (["--mesh", "ep=3"], "error: --mesh: ep=3: blk_1/ffn/gate_exps has 16 experts, expected a number "
                 "divisible by ep"),
     "plan": (["--mesh", "ep=4", "--device_budget", "8MiB"], "error: memory plan: 0.01 GiB on device cpu:0 exceeds the "
