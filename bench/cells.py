@@ -483,8 +483,15 @@ def main(argv):
   from configs.default import default_model_path
   from model.loader import load_model
   from ops.qtensor import with_kernels
+  from decode.engine import TIER_SCRATCH
   from model.mesh import MeshError, shard_params
   path, the_mesh = FLAGS.gguf, mesh()
+  if the_mesh is not None and FLAGS.max_context:       # before the model loads
+    tiered = [a.ring for a in _arms()[0] if a.ring != "auto" and FLAGS.max_context + TIER_SCRATCH > int(a.ring)]
+    if tiered:
+      raise CLIError(f"--max_context {FLAGS.max_context}: above ring {tiered[0]} less {TIER_SCRATCH} scratch slots "
+                     f"(a host tier) under --mesh {FLAGS.mesh}, expected no host tier (not supported under a mesh "
+                     f"yet)")
   if path is None and FLAGS.preset and FLAGS.in_memory:
     model = _in_memory_model(FLAGS.preset, FLAGS.experts)
     try:

@@ -88,6 +88,10 @@ def check_flags() -> str | None:
   if mesh_spec().size > 1 and FLAGS.expert_cache != "all":
     raise CLIError(f"--mesh {FLAGS.mesh} with --expert_cache {FLAGS.expert_cache}: expert slots under a mesh are not "
                    f"supported, expected --expert_cache all")
+  if mesh_spec().size > 1 and FLAGS.kv_resident != "auto" and FLAGS.max_context is not None:
+    cli.check("max_context", FLAGS.max_context, FLAGS.max_context + TIER_SCRATCH <= int(FLAGS.kv_resident),
+              f"at most --kv_resident {FLAGS.kv_resident} less {TIER_SCRATCH} scratch slots under --mesh (a host "
+              f"tier under a mesh is not supported yet)")
   if FLAGS.prompt_tokens is not None:
     cli.check("prompt_tokens", FLAGS.prompt_tokens, FLAGS.prompt_tokens >= 1, "a positive number")
     return None

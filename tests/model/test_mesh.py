@@ -298,13 +298,15 @@ CLI_CASES = {   # --mesh flags -> the stderr line decode.generate (bench.cells: 
     "plan": (["--mesh", "ep=4", "--device_budget", "8MiB"], "error: memory plan: 0.01 GiB on device cpu:0 exceeds the "
              "budget 0.01 GiB"),
     "bench": (["--mesh", "tp=2"], "error: --mesh: 'tp=2': tp=2, tensor parallelism is not implemented yet"),
+    "tier": (["--mesh", "ep=2", "--kv_resident", "1024", "--max_context", "4096"], "error: --max_context: 4096, "
+             "expected at most --kv_resident 1024 less 8 scratch slots under --mesh (a host tier under a mesh"),
 }
 
 
 def test_bad_mesh_through_the_cli_is_one_line_exit_1(tmp_path):
   """decode.generate on the default model (16 experts): a mesh over more devices than there are, an ep that does not
-  divide the experts, a plan over a device's budget; bench.cells: a tp mesh. Each one line on stderr, exit 1, no
-  token printed."""
+  divide the experts, a plan over a device's budget, a host tier (not yet under a mesh); bench.cells: a tp mesh.
+  Each one line on stderr, exit 1, no token printed."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   gen = ["-m", "decode.generate", "--prompt", "Hi", "--max_new_tokens", "2"]
   bench = ["-m", "bench.cells", "--rings", "2048", "--depths", "16", "--max_new_tokens", "2", "--seeds", "1",
