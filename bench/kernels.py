@@ -485,8 +485,8 @@ def main(argv):
           f"({t * 1e6 / (n * FLAGS.layers):.2f} us per launch)", flush=True)
 
   batches = [int(b) for b in FLAGS.batches]
-  sweeps = json.loads(FLAGS.sweep) if FLAGS.sweep else []
   try:
+    sweeps = json.loads(FLAGS.sweep) if FLAGS.sweep else []
     sweep_tuned = [sweep_tunings(ov) for ov in sweeps]
   except (TypeError, ValueError) as e:
     raise app.UsageError(f"--sweep: {e}") from None
@@ -600,4 +600,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from decode import cli
+  cli.run(main)                    # expected failures: one line, exit 1 (decode.cli)

@@ -451,6 +451,6 @@ a similar, not an identical, file.
 
 
 if __name__ == "__main__":
-  from absl import app
   _define_flags()
-  app.run(main)
+  from decode import cli
+  cli.run(main)                    # expected failures: one line, exit 1 (decode.cli)

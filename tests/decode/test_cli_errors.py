@@ -214,6 +214,7 @@ def test_a_bug_keeps_its_traceback_and_an_expected_failure_is_one_line():
      "--rings/--drafts/--kv/--depths)"),
     (["-m", "bench.step", "--glue", "bogus", "--preset", "tiny-qwen3moe"], "error: --glue 'bogus': "),
     (["-m", "bench.attention", "--variants", "nope"], "error: --variants: 'nope', expected dots:bk:warps:stages"),
+    (["-m", "bench.kernels", "--sweep", "notjson", "--interpret"], "error: --sweep: Expecting value: "),
 ])
 def test_other_clis_report_in_one_line(argv, expect):
   r = _proc(*argv, text=True)
