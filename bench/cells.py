@@ -138,8 +138,9 @@ def _arms() -> tuple[list[Arm], list]:
   return arms, []
 
 
-def _in_memory_model(name: str, experts: str):
-  """A LoadedModel of random valid blocks in a preset's shape, with the shipped vocab padded to its size."""
+def _in_memory_model(name: str, experts: str, mesh=None):
+  """A LoadedModel of random valid blocks in a preset's shape, with the shipped vocab padded to its size; with a mesh
+  each tensor is placed on it as it is built (model.mesh.placer), so no device holds the whole model."""
   from configs.presets import preset
   from configs.vocab import load_vocab
   from model.loader import LoadedModel
@@ -148,7 +149,11 @@ def _in_memory_model(name: str, experts: str):
   from model.writer import pad_vocab, quant_policy, random_params
   cfg = preset(name)
   t0 = time.time()
-  params = fuse_qkv(random_params(cfg, types=quant_policy(experts, "Q8_0"), progress=True))   # as load_model
+  place = None
+  if mesh is not None:
+    from model.mesh import placer
+    place = placer(mesh)
+  params = fuse_qkv(random_params(cfg, types=quant_policy(experts, "Q8_0"), progress=True, place=place))  # load_model
   tok = Tokenizer.from_metadata(pad_vocab(load_vocab(1024), cfg.vocab_size).metadata())
   return LoadedModel(cfg, params, tok, f"in-memory:{name}", False, time.time() - t0)
 
@@ -484,7 +489,7 @@ def main(argv):
   from model.loader import load_model
   from ops.qtensor import with_kernels
   from decode.engine import TIER_SCRATCH
-  from model.mesh import MeshError, shard_params
+  from model.mesh import MeshError
   path, the_mesh = FLAGS.gguf, mesh()
   if the_mesh is not None and FLAGS.max_context:       # before the model loads
     tiered = [a.ring for a in _arms()[0] if a.ring != "auto" and FLAGS.max_context + TIER_SCRATCH > int(a.ring)]
@@ -493,9 +498,8 @@ def main(argv):
                      f"(a host tier) under --mesh {FLAGS.mesh}, expected no host tier (not supported under a mesh "
                      f"yet)")
   if path is None and FLAGS.preset and FLAGS.in_memory:
-    model = _in_memory_model(FLAGS.preset, FLAGS.experts)
     try:
-      model.params = shard_params(model.params, the_mesh)   # built on one device first: a model that fits one
+      model = _in_memory_model(FLAGS.preset, FLAGS.experts, the_mesh)   # placed on the mesh tensor by tensor
     except MeshError as e:
       raise CLIError(f"--mesh: {e}") from None
     path = f"in-memory:{FLAGS.preset}:{FLAGS.experts}"

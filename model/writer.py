@@ -224,13 +224,15 @@ class _FakeFile:
 
 
 def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: int = 0, block_scale: float = 1e-3,
-                  progress: bool = False, workers: int | None = None) -> dict:
+                  progress: bool = False, workers: int | None = None, place=None) -> dict:
   """The params pytree of a random model of shape `cfg`, with the tensors, types and layout that `write_gguf` +
   `load_gguf` would give, built in memory (benchmarks on full-size shapes skip the multi-GB file round trip; the
   loader's path is tested on the tiny files). Tensor i (in file order) draws from its own generator (seed, i), so
   `workers` threads (default: up to 8, one per core) build tensors at once (numpy's bulk work and the transfers
   release the GIL; the seed-mtp shape took 82 s on one thread on the H200 machine) and the result does not depend
-  on their number. The values are not write_gguf's (one generator for the whole file there)."""
+  on their number. The values are not write_gguf's (one generator for the whole file there). `place(path, param)`,
+  when given, is applied to each param as it is built, as load_params' hook (model.mesh.placer: a model larger than
+  one device, split over a mesh, never whole on one device)."""
   import concurrent.futures as cf
 
   from model.gguf_io import to_params
@@ -240,8 +242,9 @@ def random_params(cfg: ModelConfig, *, types: TypePolicy | None = None, seed: in
   def build(i):
     path, (tname, shape) = entries[i]
     t = types(tname, shape)
-    return to_params(cfg, path, t, _random_tensor(tname, shape, t, np.random.default_rng([seed, i]), cfg, block_scale),
-                     shape)
+    pieces = to_params(cfg, path, t, _random_tensor(tname, shape, t, np.random.default_rng([seed, i]), cfg,
+                                                    block_scale), shape)
+    return [(p, place(tuple(p), v)) for p, v in pieces] if place else pieces
 
   from tqdm import tqdm
   built = [None] * len(entries)

@@ -143,6 +143,14 @@ def _drive(out_path: str) -> None:
       y = np.asarray(jax.jit(expert_parallel(moe_ops.moe, mesh, E))(x, ids, w, *sh.values()))
       out[text] = float(np.abs(y - one).max() / np.abs(one).max())
     res["kernels"] = out
+    from configs.presets import TINY_QWEN3MOE
+    from model.mesh import placer
+    from model.writer import random_params
+    mesh = make_mesh(parse_mesh("ep=4", 4))          # bench.cells --in_memory: placed as each tensor is built
+    rp = random_params(TINY_QWEN3MOE, place=placer(mesh))
+    gate = jax.tree.leaves(rp["blk_0"]["ffn"]["gate_exps"])
+    res["random_params"] = {"bytes": device_bytes(rp), "one": sum(device_bytes(random_params(TINY_QWEN3MOE)).values()),
+                            "split": all(p.sharding.spec == P("ep") for p in gate)}
   with open(out_path, "w") as f:
     json.dump(res, f)
 
@@ -211,6 +219,14 @@ def test_decode_kernels_skip_other_devices_experts(mesh_runs):
   """The Pallas decode kernels (interpret mode) under expert parallel, each device skipping the pairs it does not
   own (ops.moe.moe's owned): the one-device kernels' output within float32 summation order (2e-6 of the largest)."""
   assert all(err <= 2e-6 for err in mesh_runs["kernels"].values()), mesh_runs["kernels"]
+
+
+def test_random_params_placed_on_the_mesh_as_built(mesh_runs):
+  """model.writer.random_params with model.mesh.placer (bench.cells --in_memory --mesh): experts split by expert id,
+  each of the 4 devices holding the replicated params and a quarter of the experts."""
+  r = mesh_runs["random_params"]
+  per = list(r["bytes"].values())
+  assert r["split"] and len(per) == 4 and len(set(per)) == 1 and r["one"] / 4 < per[0] < r["one"]
 
 
 def test_engine_generate_under_the_mesh_equals_one_device(mesh_runs):
