@@ -73,7 +73,7 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, X, F, BN, S, nb
   G, U = dict(zip(names, w_refs[:n])), dict(zip(names, w_refs[n:]))
   p = pl.program_id(1)
   e = ids_ref[p]
-  pre = _lead(lid_ref, jnp.maximum(e, 0))
+  pre = _lead(lid_ref, jnp.maximum(e, 0) if skip else e)
   t = p // X
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), F - 1)
 
@@ -91,8 +91,9 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, X, F, BN, S, nb
 
   def write(g, u):
     if KS > 1:                        # partial sums; XLA adds the KS parts in a fixed order, then SiLU(g) * u
-      g_ref[kid, p, rows] = g
-      u_ref[kid, p, rows] = u
+      # (without skip the kernel is op for op what it was; in a branch program_id cannot be read)
+      g_ref[kid if skip else pl.program_id(2), p, rows] = g
+      u_ref[kid if skip else pl.program_id(2), p, rows] = u
       return
     h = g / (1.0 + jnp.exp(-g)) * u
     h_ref[p, rows if natural_h else qp.x_view_index(down_qtype, rows)] = h
@@ -119,7 +120,7 @@ def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, 
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), D - 1)
   p = pl.program_id(1)
   e = ids_ref[p]
-  pre = _lead(lid_ref, jnp.maximum(e, 0))
+  pre = _lead(lid_ref, jnp.maximum(e, 0) if skip else e)
 
   def tile_sums(b0, s):
     xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
