@@ -4,7 +4,8 @@
 - the routed experts of every MoE block (ffn/{gate,up,down}_exps, the expert store) are split by expert id: device
   i of the `ep` axis holds experts [i E/ep, (i + 1) E/ep) of every block (PartitionSpec("ep") on the leading axis
   of each plane);
-- every other param and the whole state (rings, recurrent state, host tier) is replicated on every device.
+- every other param and the whole state (rings, recurrent state) is replicated on every device (a host tier, which
+  lives in the first device's pinned host memory, is refused under a mesh by the CLIs).
 `placer(mesh)` is a `load_params` hook that puts each param there as soon as it is built, one tensor at a time, so
 no device ever holds more than one tensor beyond its share; `shard_params` does the same for params already built
 (an orbax cache entry).
@@ -12,6 +13,8 @@ no device ever holds more than one tensor beyond its share; `shard_params` does 
 The routed experts under the mesh (`expert_parallel`): a `jax.shard_map` over "ep" in which every device runs the
 model's own MoE function on its local experts for all the step's tokens, the (token, expert) pairs routed to
 experts it does not own given weight 0 (and local id 0), then a `psum` over "ep" sums the partial outputs. The
+decode kernels (ops/moe_pallas, T <= 16) skip those pairs and read only the device's own experts; the reference
+paths and the grouped prefill GEMM still compute them on local expert 0 (work a device could drop). The
 router, attention and dense projections run replicated, the same on every device. What changes against one device
 is the order of the sum over a token's top-k experts (per device, then across devices): float32 summation order.
 The decode step, the MTP round and prefill stay the same pure jitted functions: the mesh reaches them as
