@@ -11,7 +11,8 @@ reference, and each mesh (ep=2 on devices 0-1, ep=4 on devices 0-3) runs the sam
   decode.speculative (NextN drafts where the file has a NextN block, else replay drafts), and for the first
   architecture the engine's plain loop (decode.engine.generate);
 - on the other, the same prefill and steps on a ring of 512 slots against 256;
-- and for the first architecture its IQ3_S mix (packed experts) under ep=2, restored from an orbax cache entry.
+- and for the first architecture its IQ3_S mix (packed experts) under ep=2, restored from an orbax cache entry, and
+  the trained default model (NextN drafts really accepted) under ep=2.
 The logits bound: a mesh changes only the float32 order of the sum over a token's top-k expert outputs (per device,
 then the psum across devices), an error of a few ulp of each MoE output. The bound is measured on the one-device run
 itself: its logits' change when every MoE output is scaled by (1 + 2^-22) (about four ulp; the "sensitivity", large
@@ -123,6 +124,15 @@ def _drive(out_path: str) -> None:
       res["quant"] = {"from_cache": mm.from_cache, "logit_diff": float(np.abs(lg - qref).max()), "ids": ids,
                       "ref_ids": qids, "split": all(p.sharding.spec == P("ep") for p in planes),
                       "max_logit": float(np.abs(qref).max()), "qtype": mm.params["blk_1"]["ffn"]["gate_exps"].qtype}
+  if ARCHS[0] in archs:                            # the trained default model: NextN drafts really accepted
+    from configs.default import default_model_path
+    md = load_model(default_model_path())
+    _, want = chain(md, Options(), None)
+    mesh = make_mesh(parse_mesh("ep=2", 4))
+    mm = load_model(default_model_path(), mesh=mesh)
+    sp = speculative_generate(mm, prompt, GenConfig(max_new_tokens=N_NEW, stop_at_eos=False,
+                                                    options=Options(mesh=mesh)), drafter="mtp", k=3, mtp_window=64)
+    res["default"] = {"ids": want, "spec": sp.ids, "accepted": sp.stats["drafts_accepted"]}
   if "kernels" in archs:                           # the decode kernels (interpret mode) under expert parallel
     from model.mesh import expert_parallel, shard_params
     from ops import quant
@@ -228,6 +238,13 @@ def test_random_params_placed_on_the_mesh_as_built(mesh_runs):
   r = mesh_runs["random_params"]
   per = list(r["bytes"].values())
   assert r["split"] and len(per) == 4 and len(set(per)) == 1 and r["one"] / 4 < per[0] < r["one"]
+
+
+def test_accepted_nextn_drafts_under_the_mesh(mesh_runs):
+  """The trained default model (glm4moe + NextN, 16 experts) under ep=2: MTP drafts are accepted (the random tiny
+  files' drafts never are) and the speculative tokens are one device's plain greedy ones."""
+  r = mesh_runs["default"]
+  assert r["spec"] == r["ids"] and sum(r["accepted"]) > 0, r
 
 
 def test_engine_generate_under_the_mesh_equals_one_device(mesh_runs):
