@@ -56,7 +56,8 @@ flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNor
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
-GLUE_USAGE = "expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0"
+GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0, "
+              "qmm=P")
 
 
 def glue_options(spec: str):
@@ -67,6 +68,7 @@ def glue_options(spec: str):
     xnat=T:B+T:B | 0   the quantized kernels' x layout per type (ops.qmatmul_pallas.Tuning.natural_b for the
                        projections and both MoE kernels: natural order up to B tokens; types not named and 0:
                        the permuted view)
+    qmm=P              the projections' ops.qmatmul_pallas.Tuning(programs=P) (BN halves to reach P programs)
 
   >>> glue_options("on/rope=1")[1].rope_write
   Tuning(q_programs=1, num_warps=None)
@@ -76,7 +78,7 @@ def glue_options(spec: str):
   base, *parts = spec.split("/")
   if base not in ("on", "off") or (base == "off" and parts):
     raise app.UsageError(f"--glue {spec!r}: {GLUE_USAGE}")
-  kw = {}
+  kw, proj = {}, {t: {} for t in qmatmul_pallas.KERNEL_TYPES}
   for part in parts:
     key, _, val = part.partition("=")
     try:
@@ -89,13 +91,22 @@ def glue_options(spec: str):
         named = {} if val == "0" else {t: int(b) for t, b in (v.split(":") for v in val.split("+"))}
         if not set(named) <= set(qmatmul_pallas.KERNEL_TYPES):
           raise ValueError(val)
-        nat = {t: qmatmul_pallas.Tuning(natural_b=named.get(t, 0)) for t in qmatmul_pallas.KERNEL_TYPES}
-        kw["qmatmul"] = ByType(**nat)
-        kw["moe"] = ByType(**{t: moe_pallas.Tuning(gateup=n, down=n) for t, n in nat.items()})
+        for t in qmatmul_pallas.KERNEL_TYPES:
+          proj[t]["natural_b"] = named.get(t, 0)
+        kw["moe"] = ByType(**{t: moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(natural_b=named.get(t, 0)),
+                                                    down=qmatmul_pallas.Tuning(natural_b=named.get(t, 0)))
+                              for t in qmatmul_pallas.KERNEL_TYPES})
+      elif key == "qmm":
+        if int(val) < 0:
+          raise ValueError(val)
+        for t in qmatmul_pallas.KERNEL_TYPES:
+          proj[t]["programs"] = int(val)
       else:
         raise ValueError(key)
     except ValueError:
       raise app.UsageError(f"--glue {spec!r}: override {part!r}, {GLUE_USAGE}") from None
+  if any(proj.values()):
+    kw["qmatmul"] = ByType(**{t: qmatmul_pallas.Tuning(**f) for t, f in proj.items()})
   return base == "on", Tunings(**kw)
 
 

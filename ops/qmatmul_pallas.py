@@ -64,24 +64,27 @@ class Tuning(NamedTuple):
   """A decode kernel's tile (the projection's, or one of the MoE kernels'); a field left None takes the type's
   entry in `TUNING`. BN rows per program (a power of 2), S blocks per K step (a power of 2, clipped to the largest
   power of two dividing nb), Triton warps and pipeline stages, K steps unrolled up to `unroll` (0: a fori_loop),
-  and natural_b: calls of up to natural_b tokens per program read x in its natural order (`x_natural`)."""
+  natural_b: calls of up to natural_b tokens per program read x in its natural order (`x_natural`), and programs:
+  BN halves (down to 1) until the grid has at least that many programs (0: BN as given; a row's sums do not depend
+  on BN, so this keeps batch invariance)."""
   BN: int | None = None
   S: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
   unroll: int | None = None
   natural_b: int | None = None
+  programs: int | None = None
 
 
 # Per type. Measured on the H200: docs/PERF.md "Quantized kernels" (tiles), "The x layout" (natural_b).
 TUNING: dict[str, Tuning] = {
-    "Q8_0": Tuning(BN=16, S=32, num_warps=4, num_stages=2, unroll=0, natural_b=16),
-    "Q4_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=16),
-    "Q5_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0),
-    "Q6_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0),
-    "IQ3_S": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0),
-    "IQ4_NL": Tuning(BN=16, S=32, num_warps=4, num_stages=2, unroll=0, natural_b=0),
-    "IQ4_XS": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0),
+    "Q8_0": Tuning(BN=16, S=32, num_warps=4, num_stages=2, unroll=0, natural_b=16, programs=0),
+    "Q4_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=16, programs=0),
+    "Q5_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0, programs=0),
+    "Q6_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0, programs=0),
+    "IQ3_S": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0, programs=0),
+    "IQ4_NL": Tuning(BN=16, S=32, num_warps=4, num_stages=2, unroll=0, natural_b=0, programs=0),
+    "IQ4_XS": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0, programs=0),
 }
 
 
@@ -344,7 +347,7 @@ INVARIANT_B = 4
 def config(qtype: str, rows: int, nb: int, tuning: Tuning | None = None, batch: int = 1) -> Tuning:
   """The tile for `rows` output rows, `nb` blocks per row and `batch` tokens: TUNING[qtype] with the fields
   `tuning` sets, clipped to the problem and, for larger batches, shrunk (BN to 16, then S) to the type's step
-  budget. The matmul asks for its batch but at least INVARIANT_B; the MoE kernels run one token per program
+  budget, then BN halved to reach `programs` programs. The matmul asks for its batch but at least INVARIANT_B; the MoE kernels run one token per program
   (batch 1)."""
   c = fill(tuning, TUNING[qtype])
   BN, S = min(_pow2_floor(c.BN), max(16, 1 << (max(rows, 1) - 1).bit_length())), c.S
@@ -355,6 +358,8 @@ def config(qtype: str, rows: int, nb: int, tuning: Tuning | None = None, batch: 
       BN //= 2
     else:
       S = max(1, S // 2)
+  while c.programs and BN > 1 and -(-rows // BN) < c.programs:
+    BN //= 2
   return c._replace(BN=BN, S=min(_pow2_floor(S), _pow2_floor(nb)))
 
 

@@ -39,6 +39,23 @@ def _rng(*key):
   return np.random.default_rng(zlib.crc32(repr(key).encode()))
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "IQ3_S"])
+def test_qmatmul_programs_shrink_the_tile_and_keep_every_bit(qtype):
+  """Tuning.programs halves BN until the grid has that many programs; a row's sums do not depend on BN, so the
+  result is bitwise the 16-row tile's (batch invariance survives), and both match the jnp reference."""
+  rng = _rng(qtype, "programs")
+  K, N = 2 * max(256, quant.GGML_TYPES[qtype][0] * 8), 40
+  w = QTensor.from_gguf(quant.random_blocks(qtype, (N, K), rng), qtype, K)
+  x = jnp.asarray(rng.standard_normal((3, K)).astype(np.float32))
+  nb = K // quant.GGML_TYPES[qtype][0]
+  assert qmatmul_pallas.config(qtype, N, nb, QMM(BN=16, S=2, programs=12)).BN == 2       # 40 rows: 3 -> 20 programs
+  assert qmatmul_pallas.config(qtype, N, nb, QMM(BN=16, S=2, programs=0)).BN == 16
+  y16 = qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, tuning=SMALL)
+  y2 = qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, tuning=SMALL._replace(programs=12))
+  np.testing.assert_array_equal(np.asarray(y2), np.asarray(y16))
+  assert _relerr(y2, qmatmul.qmatmul_ref(x, w)) < TOL_MATMUL
+
+
 @pytest.mark.parametrize("qtype", list(quant.GGML_TYPES))
 def test_repack_roundtrip_and_qtensor(qtype):
   rng = np.random.default_rng(1)
