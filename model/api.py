@@ -37,8 +37,9 @@ def fuse_qkv(params: dict) -> dict:
   """The params with each attention's wq, wk, wv (and bq, bk, bv) stacked into one `wqkv` (`bqkv`) where they
   share a type (ops.qtensor.concat_rows): one matmul and one kernel launch instead of three, and the small k and
   v projections (N = Hkv * Dh rows) no longer run on a few programs each; likewise a Gated DeltaNet layer's wqkv,
-  wz, wbeta and walpha into one `win` (four launches to one; beta and alpha are Hv rows each). The bytes are the
-  file's; every output row is computed as before. Applied by model.loader.load_model; unfused params run as
+  wz, wbeta and walpha into one `win` (four launches to one; beta and alpha are Hv rows each), and a SwiGLU's gate
+  and up (the shared expert's `gateup_shexp`, a dense block's `gateup`). The bytes are the file's; every output row
+  is computed as before. Applied by model.loader.load_model; unfused params run as
   well."""
   from ops.qtensor import concat_rows
 
@@ -61,6 +62,12 @@ def fuse_qkv(params: dict) -> dict:
         for n in gdn:
           del node[n]
         node["win"] = w
+    for g, u, name in (("gate_shexp", "up_shexp", "gateup_shexp"), ("gate", "up", "gateup")):
+      if g in node and u in node:   # a SwiGLU's gate and up: one matmul, split after
+        w = concat_rows([node[g], node[u]])
+        if w is not None:
+          del node[g], node[u]
+          node[name] = w
     return node
   return walk(params)
 

@@ -15,6 +15,8 @@ Parameter tree (GGUF names in brackets, see model/gguf_io.py):
               gate_shexp, up_shexp, down_shexp, shexp_gate [ffn_gate_inp_shexp]}   (MoE blocks)
          ffn/{gate, up, down}                                                        (dense blocks)}
   mtp_j/{enorm, hnorm, eh_proj, embed_tokens?, shared_head_norm, shared_head_head?, blk/...}  (NextN)
+After model.api.fuse_qkv (load_model applies it): wq/wk/wv -> wqkv, gate_shexp/up_shexp -> gateup_shexp,
+gate/up -> gateup, a DeltaNet layer's input projections -> win, where the parts share a type.
 """
 from __future__ import annotations
 
@@ -180,6 +182,19 @@ def _rope_write_impl(m: nn.Module, c: ModelConfig) -> str:
   return "ref"
 
 
+def swiglu_mlp(m: nn.Module, x_TD, suffix: str, D: int, F: int):
+  """down(silu(gate x) * up x) with module m's params gate{suffix}, up{suffix}, down{suffix}, or gate and up fused
+  at load into one gateup{suffix} [2F, D] (model.api.fuse_qkv: one matmul, split after)."""
+  lin = _op(m.opts, "linear", linear)
+  if m.has_variable("params", "gateup" + suffix):
+    h_TF2 = lin(x_TD, m.get_variable("params", "gateup" + suffix))
+    g_TF, u_TF = h_TF2[..., :F], h_TF2[..., F:]
+  else:
+    g_TF = lin(x_TD, _param(m, "gate" + suffix, _init, (F, D)))
+    u_TF = lin(x_TD, _param(m, "up" + suffix, _init, (F, D)))
+  return lin(swiglu(g_TF, u_TF), _param(m, "down" + suffix, _init, (D, F)))
+
+
 class DenseMLP(nn.Module):
   cfg: ModelConfig
   opts: Options = DEFAULT
@@ -187,11 +202,7 @@ class DenseMLP(nn.Module):
   @nn.compact
   def __call__(self, x_TD):
     D, F = self.cfg.d_model, self.cfg.d_ff
-    gate = _param(self, "gate", _init, (F, D))
-    up = _param(self, "up", _init, (F, D))
-    down = _param(self, "down", _init, (D, F))
-    lin = _op(self.opts, "linear", linear)
-    return lin(swiglu(lin(x_TD, gate), lin(x_TD, up)), down)
+    return swiglu_mlp(self, x_TD, "", D, F)
 
 
 class MoE(nn.Module):
@@ -237,11 +248,7 @@ class MoE(nn.Module):
     else:
       y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe)
     if c.n_shared_experts or c.shared_expert_gate:
-      Fs = c.d_ff_shared
-      gs = _param(self, "gate_shexp", _init, (Fs, D))
-      us = _param(self, "up_shexp", _init, (Fs, D))
-      ds = _param(self, "down_shexp", _init, (D, Fs))
-      ys = lin(swiglu(lin(x_TD, gs), lin(x_TD, us)), ds)
+      ys = swiglu_mlp(self, x_TD, "_shexp", D, c.d_ff_shared)
       if c.shared_expert_gate:
         g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe, hybrid: one gate logit per token
         if self.glue != "ref" and T <= router_pallas.MAX_T and D & (D - 1) == 0:   # batch-invariant rows

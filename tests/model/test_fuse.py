@@ -42,6 +42,27 @@ def test_concat_rows_refuses_mixed_types():
   assert concat_rows([q8, jnp.zeros(q8.shape, jnp.float32)]) is None
 
 
+def _type(w):
+  return getattr(w, "qtype", str(getattr(w, "dtype", "")))
+
+
+def _check_swiglu_fused(unfused: dict, fused: dict) -> int:
+  """Every SwiGLU gate and up (shared expert, dense block) of one type is one `gateup*` [2F, D] in the fused
+  params; of mixed types both stay. Returns how many pairs were fused."""
+  n = 0
+  for blk, node in unfused.items():
+    ffn = node.get("ffn", {}) if isinstance(node, dict) else {}
+    for g, u, name in (("gate_shexp", "up_shexp", "gateup_shexp"), ("gate", "up", "gateup")):
+      if g in ffn and u in ffn:
+        same = _type(ffn[g]) == _type(ffn[u])
+        f = fused[blk]["ffn"]
+        assert (name in f) == same and (g in f) != same, (blk, name)
+        if same:
+          assert f[name].shape == (2 * ffn[g].shape[0], ffn[g].shape[1])
+          n += 1
+  return n
+
+
 @pytest.mark.parametrize("arch,kind", [("qwen3moe", "Q8_0"), ("qwen2moe", "F16"), ("glm4moe", "Q4_K_M")])
 def test_fused_model_equals_unfused(arch, kind):
   """qwen2moe F16: dense weights and q/k/v biases fused; glm4moe Q4_K_M: q/k/v of mixed types stay apart."""
@@ -55,6 +76,9 @@ def test_fused_model_equals_unfused(arch, kind):
   assert ("wqkv" in att) == same and ("wq" in att) != same
   assert ("bqkv" in att) == (same and cfg.qkv_bias)
   print(f"\n{arch} {kind}: q/k/v {'fused' if same else 'kept apart (mixed types)'}")
+  n = _check_swiglu_fused(unfused.params, fused.params)
+  print(f"{arch} {kind}: {n} SwiGLU gate/up pairs fused")
+  assert n >= (0 if arch == "qwen3moe" else 1)        # qwen2moe: shared experts; glm4moe: + its dense block
   toks = jnp.asarray(np.random.default_rng(1).integers(0, 1000, 40), jnp.int32)
   lf, _, _ = api.prefill(fused.params, toks, api.init_state(cfg, 256, "bf16"), cfg=cfg)
   lu, _, _ = api.prefill(unfused.params, toks, api.init_state(cfg, 256, "bf16"), cfg=cfg)
@@ -82,6 +106,7 @@ def test_fused_deltanet_inputs_equal_unfused(arch, kind):
   assert ("win" in g) == same and all((n in g) != same for n in names)
   if same:
     assert g["win"].shape == (cfg.Cc + cfg.Hv * cfg.Dv + 2 * cfg.Hv, cfg.d_model)
+  assert _check_swiglu_fused(unfused.params, fused.params) >= (1 if kind != "IQ3_S" else 0)    # shared experts
   print(f"\n{arch} {kind}: DeltaNet inputs {'fused' if same else 'kept apart (mixed types)'}: "
         f"{[getattr(ug[n], 'qtype', str(getattr(ug[n], 'dtype', ''))) for n in names]}")
   toks = jnp.asarray(np.random.default_rng(1).integers(0, 1000, 40), jnp.int32)
