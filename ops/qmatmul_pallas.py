@@ -76,9 +76,10 @@ class Tuning(NamedTuple):
   programs: int | None = None
 
 
-# Per type. Measured on the H200: docs/PERF.md "Quantized kernels" (tiles), "The x layout" (natural_b).
+# Per type. Measured on the H200: docs/PERF.md "Quantized kernels" (tiles), "The x layout" (natural_b), "The
+# hybrid step's SwiGLU and grid levers" (programs: Q8_0's only, the other types unmeasured).
 TUNING: dict[str, Tuning] = {
-    "Q8_0": Tuning(BN=16, S=32, num_warps=4, num_stages=2, unroll=0, natural_b=16, programs=0),
+    "Q8_0": Tuning(BN=16, S=32, num_warps=4, num_stages=2, unroll=0, natural_b=16, programs=1024),
     "Q4_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=16, programs=0),
     "Q5_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0, programs=0),
     "Q6_K": Tuning(BN=16, S=8, num_warps=4, num_stages=2, unroll=0, natural_b=0, programs=0),

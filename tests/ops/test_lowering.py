@@ -39,6 +39,11 @@ def test_qmatmul_lowers(qtype, platform):
     x = jax.ShapeDtypeStruct((B, 2048), jnp.float32)
     txt = _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w), x, w)
     assert "__gpu$xla.gpu.triton" in txt
+  one_row = qmatmul_pallas.Tuning(programs=8192)                        # BN halves to 1: a row per program
+  assert qmatmul_pallas.config(qtype, 4096, 2048 // quant.GGML_TYPES[qtype][0], one_row).BN == 1
+  x = jax.ShapeDtypeStruct((4, 2048), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w, tuning=one_row),
+                                          x, w)
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
