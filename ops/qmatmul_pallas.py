@@ -65,8 +65,8 @@ class Tuning(NamedTuple):
   entry in `TUNING`. BN rows per program (a power of 2), S blocks per K step (a power of 2, clipped to the largest
   power of two dividing nb), Triton warps and pipeline stages, K steps unrolled up to `unroll` (0: a fori_loop),
   natural_b: calls of up to natural_b tokens per program read x in its natural order (`x_natural`), and programs:
-  BN halves (down to 1) until the grid has at least that many programs (0: BN as given; a row's sums do not depend
-  on BN, so this keeps batch invariance)."""
+  BN halves (down to 1) until the grid has at least that many programs (0: BN as given; it depends on the rows,
+  not the batch, so batch invariance holds)."""
   BN: int | None = None
   S: int | None = None
   num_warps: int | None = None
