@@ -2,14 +2,15 @@
 # Issue 26 item 4: the seed report's experiment on its own model shape (seed-mtp = qwen3next-80b-a3b, random valid
 # IQ3_S blocks in memory, int8 KV) under the seed machine's 24 GiB: the expert cache sized by the plan
 # (--expert_cache auto --device_budget 24GiB), max_context 139,264 (a host tier behind each ring), rings 32,768
-# and 49,152, NextN / replay / lookup drafts at k = 3, 3 seeds x 256 tokens. One depth and a pair of arms per
-# device call (each pair well inside 10 minutes at 1K; deeper cells prefill through the expert cache):
-#   ONLY=AR,BR DEPTH=1024 bash scripts/gpu/hybrid_seed4.sh      then AS,BS and AN,BN; then DEPTH=32768, 131072
+# and 49,152, NextN / replay / lookup drafts at k = 3, 3 seeds x 256 tokens. One depth and one arm per device call:
+# at 1K arm AR's untimed compiling run alone took 405 s (PERF "The hybrid step's SwiGLU and grid levers"), so a
+# pair does not fit 10 minutes; deeper cells also prefill through the expert cache:
+#   ONLY=AR DEPTH=1024 bash scripts/gpu/hybrid_seed4.sh      then BR, AS, BS, AN, BN; then DEPTH=32768, 131072
 # The table of all calls: python -m bench.cells --report a.jsonl,b.jsonl,c.jsonl --arms seed4
 set -o pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-ONLY=${ONLY:-AR,BR}; DEPTH=${DEPTH:-1024}
+ONLY=${ONLY:-AR}; DEPTH=${DEPTH:-1024}
 timeout ${TO:-560} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --arms seed4 --only $ONLY \
   --depths $DEPTH --expert_cache auto --device_budget 24GiB --max_context 139264 --max_new_tokens ${NEW:-256} \
   --seeds ${SEEDS:-3} --cells $OUT/seed4-$DEPTH-${ONLY/,/}.jsonl 2>&1 | grep --line-buffered -v "it/s\]\|random params" \
