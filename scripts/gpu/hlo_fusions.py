@@ -57,7 +57,7 @@ for e in ev:
   if e.get("ph") == "X" and e.get("pid") in dev and "dur" in e:
     tot[e["name"]] += e["dur"]
     cnt[e["name"]] += 1
-print(f"| kernel | ms/step | launches/step | ops |\n| --- | ---: | ---: | --- |")
+print("| kernel | ms/step | launches/step | ops |\n| --- | ---: | ---: | --- |")
 for k, t in tot.most_common(a.top):
   print(f"| {k} | {t / 1e3 / a.steps:.3f} | {cnt[k] / a.steps:.0f} | {describe(k)[:160]} |")
 print(f"\n{sum(cnt.values()) / a.steps:.0f} launches/step, {sum(tot.values()) / 1e3 / a.steps:.3f} ms/step of kernels")

@@ -39,7 +39,7 @@ def main():
     cnt[e["name"]] += 1
   busy = sum(tot.values())
   span = max(e["ts"] + e["dur"] for e in ks) - min(e["ts"] for e in ks)
-  print(f"| kernel | ms/step | share | launches/step |\n| --- | ---: | ---: | ---: |")
+  print("| kernel | ms/step | share | launches/step |\n| --- | ---: | ---: | ---: |")
   for name, us in tot.most_common(a.top):
     print(f"| {name[:70]} | {us / 1e3 / a.steps:.3f} | {100 * us / busy:.1f} % | {cnt[name] / a.steps:.0f} |")
   print(f"\nkernel time {busy / 1e3 / a.steps:.3f} ms/step over a device span of {span / 1e3 / a.steps:.3f} ms/step "

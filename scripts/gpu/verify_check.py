@@ -9,7 +9,6 @@ import numpy as np
 
 from model.kv_ring import KVRing
 from ops import attention
-from ops.attention_pallas import ring_attention_pallas
 
 rng = np.random.default_rng(0)
 for kv in ("bf16", "int8"):
@@ -28,7 +27,6 @@ for kv in ("bf16", "int8"):
     err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
     print(f"attention kv={kv} T={T}: pallas vs ref rel L2 {err:.2e}", flush=True)
 
-from configs.presets import preset  # noqa: E402
 from bench.cells import _in_memory_model  # noqa: E402  (flags are defined on import; not parsed here)
 from decode.engine import generate  # noqa: E402
 from decode.speculative import speculative_generate  # noqa: E402

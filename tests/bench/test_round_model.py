@@ -31,7 +31,7 @@ def test_bytes_model_on_default_model():
   b = round_model.bytes_model(m.params, m.cfg, k=3, drafter="replay")
   assert b["draft_bytes"] == 0 and b["step_bytes"] < b["round_bytes"]
   # a verify round's experts are the union of 4 tokens' picks: between 1x and 4x one token's
-  E, K = m.cfg.n_experts, m.cfg.top_k
+  K = m.cfg.top_k
   assert K * g["expert_per_layer_sum"] < b["verify_bytes"] - g["main"] - 4 * g["embed_row"] < 4 * K * g["expert_per_layer_sum"]
   mtp = round_model.bytes_model(m.params, m.cfg, k=3, drafter="mtp")
   assert mtp["draft_bytes"] == pytest.approx(3 * (g["nextn"] + K * g["nextn_expert"] + g["head"] + g["embed_row"]))

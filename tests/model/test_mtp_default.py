@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 
 from decode.engine import generate
@@ -57,7 +56,7 @@ def test_k1_acceptance_equals_a_replay_over_the_float64_reference():
     _, hidden = ref.forward(seq)
     logits, _ = ref.mtp_forward(hidden[:-1], seq[1:], start_pos=1)       # entry j predicts token j + 2
     pred = logits.argmax(-1)
-    T, P, gen, accepted, rounds = len(prompt), len(prompt), 1, 0, 0
+    P, gen, accepted, rounds = len(prompt), 1, 0, 0
     while gen < N:
       ok = int(pred[P - 1] == seq[P + 1])
       accepted, rounds, gen, P = accepted + ok, rounds + 1, gen + 1 + ok, P + 1 + ok
