@@ -91,11 +91,12 @@ def glue_options(spec: str):
         named = {} if val == "0" else {t: int(b) for t, b in (v.split(":") for v in val.split("+"))}
         if not set(named) <= set(qmatmul_pallas.KERNEL_TYPES):
           raise ValueError(val)
+        moe = {}
         for t in qmatmul_pallas.KERNEL_TYPES:
           proj[t]["natural_b"] = named.get(t, 0)
-        kw["moe"] = ByType(**{t: moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(natural_b=named.get(t, 0)),
-                                                    down=qmatmul_pallas.Tuning(natural_b=named.get(t, 0)))
-                              for t in qmatmul_pallas.KERNEL_TYPES})
+          nat = qmatmul_pallas.Tuning(natural_b=named.get(t, 0))
+          moe[t] = moe_pallas.Tuning(gateup=nat, down=nat)
+        kw["moe"] = ByType(**moe)
       elif key == "qmm":
         if int(val) < 0:
           raise ValueError(val)

@@ -71,7 +71,7 @@ def test_fused_model_equals_unfused(arch, kind):
   cfg, params, tok, _ = load_gguf(path)
   unfused = LoadedModel(cfg, params, tok, path)
   ua = unfused.params["blk_0"]["attn"]
-  same = len({getattr(ua[n], "qtype", str(getattr(ua[n], "dtype", ""))) for n in ("wq", "wk", "wv")}) == 1
+  same = len({_type(ua[n]) for n in ("wq", "wk", "wv")}) == 1
   att = fused.params["blk_0"]["attn"]
   assert ("wqkv" in att) == same and ("wq" in att) != same
   assert ("bqkv" in att) == (same and cfg.qkv_bias)
@@ -101,14 +101,14 @@ def test_fused_deltanet_inputs_equal_unfused(arch, kind):
   unfused = LoadedModel(cfg, params, tok, path)
   names = ("wqkv", "wz", "wbeta", "walpha")
   ug = unfused.params["blk_0"]["gdn"]
-  same = len({getattr(ug[n], "qtype", str(getattr(ug[n], "dtype", ""))) for n in names}) == 1
+  same = len({_type(ug[n]) for n in names}) == 1
   g = fused.params["blk_0"]["gdn"]
   assert ("win" in g) == same and all((n in g) != same for n in names)
   if same:
     assert g["win"].shape == (cfg.Cc + cfg.Hv * cfg.Dv + 2 * cfg.Hv, cfg.d_model)
   assert _check_swiglu_fused(unfused.params, fused.params) >= (1 if kind != "IQ3_S" else 0)    # shared experts
   print(f"\n{arch} {kind}: DeltaNet inputs {'fused' if same else 'kept apart (mixed types)'}: "
-        f"{[getattr(ug[n], 'qtype', str(getattr(ug[n], 'dtype', ''))) for n in names]}")
+        f"{[_type(ug[n]) for n in names]}")
   toks = jnp.asarray(np.random.default_rng(1).integers(0, 1000, 40), jnp.int32)
   lf, _, _ = api.prefill(fused.params, toks, api.init_state(cfg, 256, "bf16"), cfg=cfg)
   lu, _, _ = api.prefill(unfused.params, toks, api.init_state(cfg, 256, "bf16"), cfg=cfg)
