@@ -64,8 +64,6 @@ flags.DEFINE_string("attn_kernel", None, "decode attention kernel tuning dots[:b
                     "(ops.attention_pallas.parse_spec; e.g. bf16x2:128:8:3); unset: the kernel's table")
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
                          "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
-flags.DEFINE_bool("host_skip_idle", True, "host tier (max_context > ring): run the ring-only trunk under one "
-                  "lax.cond per pass while no position has left the ring (model.options.Options.skip_idle_tier)")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's: 1,024 on "
                      "a GPU, 8 with expert slots, 2,048 on CPU)")
 flags.DEFINE_enum("prefill_precision", "auto", ["auto", "f32", "bf16"],
@@ -196,13 +194,12 @@ def mesh():
 
 
 def model_options():
-  """The model Options of every cell: the flags' idle-tier skip, prefill precision, attention kernel tuning and
-  mesh."""
+  """The model Options of every cell: the flags' prefill precision, attention kernel tuning and mesh."""
   from model.options import Options
   from ops.attention_pallas import parse_spec
   from ops.tuning import Tunings
   tunings = Tunings(attention=parse_spec(FLAGS.attn_kernel)) if FLAGS.attn_kernel else None
-  return Options(skip_idle_tier=FLAGS.host_skip_idle, prefill_precision=FLAGS.prefill_precision, tunings=tunings,
+  return Options(prefill_precision=FLAGS.prefill_precision, tunings=tunings,
                  mesh=mesh())
 
 
@@ -553,7 +550,7 @@ def main(argv):
           _log_result(arm, seed, st)
         rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
                "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
-               "prefill_chunk": FLAGS.prefill_chunk, "host_skip_idle": FLAGS.host_skip_idle,
+               "prefill_chunk": FLAGS.prefill_chunk,
                "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or table_dots,
                "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels, FLAGS.prefill_precision),
                "model": path, "arch": model.cfg.arch, "mesh": FLAGS.mesh}, "seed": seed, "commit": commit,

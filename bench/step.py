@@ -41,8 +41,6 @@ flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
 flags.DEFINE_string("out", "/tmp/moejax-bench/step.jsonl", "JSONL output")
-flags.DEFINE_bool("host_skip_idle", True, "host tier: run the ring-only trunk under one lax.cond per step "
-                  "while no position has left the ring (model.options.Options.skip_idle_tier)")
 flags.DEFINE_string("attn_kernel", None, "decode attention kernel tuning dots[:bk:warps:stages] for every cell "
                     "(ops.attention_pallas.parse_spec; e.g. bf16x2:128:8:3); unset: the kernel's table")
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
@@ -111,7 +109,7 @@ def glue_options(spec: str):
   return base == "on", Tunings(**kw)
 
 
-def cell_options(glue: str, attn: str, skip_idle_tier: bool, attn_kernel: str | None = None):
+def cell_options(glue: str, attn: str, attn_kernel: str | None = None):
   """The model Options of one cell: its --glue value and its attention ("auto": the dispatcher's default, "ref" |
   "pallas", or a kernel spec dots/bk/warps/stages: the decode kernel so tuned; --attn_kernel tunes the kernel of
   every cell that does not name one)."""
@@ -126,7 +124,7 @@ def cell_options(glue: str, attn: str, skip_idle_tier: bool, attn_kernel: str | 
   kernel = spec or attn_kernel
   tunings = tunings.replace(attention_impl=None if attn == "auto" else "pallas" if spec else attn,
                             attention=parse_spec(kernel) if kernel else None)
-  return Options(glue=on, skip_idle_tier=skip_idle_tier, tunings=tunings)
+  return Options(glue=on, tunings=tunings)
 
 
 def _random_kv(store, n_live: int, seed: int):
@@ -190,6 +188,7 @@ def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir
     rec = RecurrentState.create(cfg) if cfg.recurrent_layers else None     # a hybrid model's DeltaNet state
     st = (api.ModelState(ring, host=host, recurrent=rec) if ls is None
           else ls.model.replace(ring=ls.model.ring.rewind(base_len)))
+    st, held = api.split_idle_tier(st, base_len + steps)     # steps inside the window run ring-only, as a request's
     ls = LoopState(st, jnp.zeros((steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1), jax.random.PRNGKey(0),
                    jnp.zeros((), bool), jnp.int32(-1))
     # every input committed to the device, as the loop's outputs are (a host tier is committed to pinned host
@@ -201,6 +200,7 @@ def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir
       t0 = time.perf_counter()
       ls = decode_loop(params, ls, jnp.int32(steps + 1), jnp.int32(-1), **kw)
       jax.block_until_ready(ls)
+    ls = ls.replace(model=api.join_tier(ls.model, held))
     if r == 0:                                  # r == 0 compiles
       first_run_s = time.perf_counter() - t0
     elif not traced:
@@ -243,10 +243,10 @@ def main(argv):
       cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2], int(parts[4]) if parts[4] else None))
   cells = [c + (rw,) for c in cells for rw in FLAGS.glue]
   for _, _, _, at, _, rw in cells:
-    cell_options(rw, at, FLAGS.host_skip_idle, FLAGS.attn_kernel)
+    cell_options(rw, at, FLAGS.attn_kernel)
   with open(FLAGS.out, "a") as f:
     for R, depth, kn, at, C, rw in tqdm(cells, desc="cells", file=sys.stderr):
-      opts = cell_options(rw, at, FLAGS.host_skip_idle, FLAGS.attn_kernel)
+      opts = cell_options(rw, at, FLAGS.attn_kernel)
       p = with_kernels(params, kn)
       spec = at.replace("/", ":") if at.split("/")[0] in DOTS else None
       try:
@@ -267,7 +267,7 @@ def main(argv):
              "host_tier": host_cap,
              "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "glue": rw,
              "attn_kernel": spec or FLAGS.attn_kernel or table_dots,
-             "host_skip_idle": FLAGS.host_skip_idle if host_cap else None, "ms_per_step": ms,
+             "ms_per_step": ms,
              "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,
              "xla_flags": os.environ.get("XLA_FLAGS", ""), "commit": commit, "device": device,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

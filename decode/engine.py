@@ -203,10 +203,13 @@ def prefill_chunked(params, prompt: list[int], state: ModelState, cfg: ModelConf
   logits [1, V], hidden [T, D], state)."""
   hs, logits, a = [], None, 0
   tail = tail or chunk
+  start = int(state.ring.length) if state.host is not None else 0
   while a < len(prompt):
     c = chunk if len(prompt) - a >= chunk else tail
+    state, held = api.split_idle_tier(state, start + a + c - 1)       # a chunk inside the window: ring-only
     logits, h, state = api.prefill(params, jnp.asarray(prompt[a:a + c], jnp.int32), state, cfg=cfg, options=options,
                                    last_only=True)
+    state = api.join_tier(state, held)
     hs.append(h)
     a += c
   return logits, (hs[0] if len(hs) == 1 else jnp.concatenate(hs)), state
@@ -393,7 +396,9 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
     ids, t1 = [int(first)], time.perf_counter()
     token = first
     while len(ids) < n and ids[-1] != eos:
+      state, held = api.split_idle_tier(state, int(state.ring.length))
       lg, _, state = api.decode_step(params, token, state, cfg=cfg, options=gen.options)
+      state = api.join_tier(state, held)
       check_finite(lg, len(ids), len(prompt))
       key, sub = jax.random.split(key)
       token = sample(lg, sub, gen.temperature, gen.top_p)
@@ -405,14 +410,28 @@ def generate(model, prompt_ids, gen: GenConfig | None = None, eager: bool = Fals
                    key, first == eos, jnp.int32(-1))
     ls = commit_for_store(ls, params, cfg)       # else the timed call after the compile call compiles again
     kwargs = dict(cfg=cfg, temperature=gen.temperature, top_p=gen.top_p, options=gen.options)
-    ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # compile (zero iterations)
+
+    def segment(ls, n_max):
+      """The loop up to n_max tokens, or while its steps' positions stay inside the ring's window (a host tier
+      held out: the ring-only program), or until the ring is full (no tier)."""
+      m, L = ls.model, int(ls.model.ring.length)
+      room = n if m.host is not None else m.ring.capacity - L
+      model, held = api.split_idle_tier(m, L)
+      if held is not None:
+        room = m.ring.window - L                  # step i writes position L + i
+      ls = decode_loop(params, ls.replace(model=model), jnp.int32(min(n_max, int(ls.n) + room)), jnp.int32(eos),
+                       **kwargs)
+      return ls.replace(model=api.join_tier(ls.model, held))
+
+    ls = segment(ls, 0)                          # compile (zero iterations)
+    m = ls.model
+    if m.host is not None and int(m.ring.length) + n - 2 >= m.ring.window > int(m.ring.length):
+      ls = decode_loop(params, ls, jnp.int32(0), jnp.int32(eos), **kwargs)   # it crosses the window: the tier's form
     jax.block_until_ready(ls)
     t1 = time.perf_counter()
     buckets = [cap]
     while True:
-      # each step writes one position: stop the segment when the ring is full (with a host tier it wraps)
-      room = n if ls.model.host is not None else ls.model.ring.capacity - int(ls.model.ring.length)
-      ls = decode_loop(params, ls, jnp.int32(min(n, int(ls.n) + room)), jnp.int32(eos), **kwargs)
+      ls = segment(ls, n)
       if int(ls.bad) >= 0:
         raise nonfinite_error(int(ls.bad), len(prompt))
       if int(ls.n) >= n or bool(ls.done):

@@ -160,11 +160,13 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
   def rows(x):
     return jnp.broadcast_to(x, (k + 1,) + x.shape[1:])
 
-  if drafter == "mtp":
+  if drafter != "lookup":
+    # NextN always proposes, and replay does up to its recording's end: every round verifies (rows of invalid
+    # drafts are rejected; one pass in the program, not two under a lax.cond)
     logits, hidden, model, kept = verify(model)
   else:
-    # a deterministic drafter may have nothing to propose (lookup without a match, replay past its end): then
-    # the round is one plain step (T = 1), its outputs repeated to the round's shapes (only row 0 is read)
+    # lookup often has nothing to propose: then the round is one plain step (T = 1), its outputs repeated to the
+    # round's shapes (only row 0 is read)
     def step(m):
       lg, h, m, kp = api.forward(params, tok[None], m, cfg=cfg, options=options, keep_states=True)
       kp = None if kp is None else tuple(c.replace(conv_T=rows(c.conv_T), delta_T=rows(c.delta_T)) for c in kp)
@@ -201,11 +203,13 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "drafter", "temperature", "top_p", "options"),
                    donate_argnames=("s",))
-def spec_loop(params, s: SpecState, replay, eos_id, max_new, *, cfg: ModelConfig, k: int, drafter: str,
+def spec_loop(params, s: SpecState, replay, eos_id, max_new, until=None, *, cfg: ModelConfig, k: int, drafter: str,
               temperature: float, top_p: float, options: Options = DEFAULT) -> SpecState:
-  """Rounds until max_new tokens are generated or EOS."""
+  """Rounds until max_new tokens are generated or EOS, and (with `until`) while a round's positions P .. P + k
+  stay below until (`speculative_generate` runs the rounds inside the ring's window with the host tier held out)."""
   def cond(s):
-    return ~s.done & (s.n_hist - s.n_prompt < max_new)
+    go = ~s.done & (s.n_hist - s.n_prompt < max_new)
+    return go if until is None else go & (s.model.ring.length + k < until)
 
   def body(s):
     return spec_round(params, s, replay, eos_id, cfg=cfg, k=k, drafter=drafter, temperature=temperature, top_p=top_p,
@@ -309,16 +313,37 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
                          prefill_cache=prefill_cache)
   s, replay, params, kwargs, eos, prompt, st = sp.s, sp.replay, sp.params, sp.kwargs, sp.eos, sp.prompt, sp.st
   T, n, tok = len(prompt), gen.max_new_tokens, model.tokenizer
+  k_ = kwargs["k"]
+
+  def held_out(s):
+    """(s with its host tier held out, the tier) while a round's positions P .. P + k stay inside the window."""
+    model, held = api.split_idle_tier(s.model, int(s.model.ring.length) + k_)
+    return s.replace(model=model), held
+
+  def rejoin(s, held):
+    return s.replace(model=api.join_tier(s.model, held))
+
   if eager:
     rnd = jax.jit(functools.partial(spec_round, **kwargs))
     t1 = time.perf_counter()
     while not bool(s.done) and int(s.n_hist) - T < n:
-      s = rnd(params, s, replay, jnp.int32(eos))
+      s, held = held_out(s)
+      s = rejoin(rnd(params, s, replay, jnp.int32(eos)), held)
   else:
-    s = spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(0), **kwargs)     # compile (no round runs)
+    def segment(s, max_new):
+      """Rounds inside the window with the tier held out (the ring-only program), else rounds with the tier."""
+      s, held = held_out(s)
+      until = jnp.int32(s.model.ring.window if held is not None else np.iinfo(np.int32).max - k_)
+      return rejoin(spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(max_new), until, **kwargs), held)
+
+    s = segment(s, 0)                                                             # compile (no round runs)
+    m = s.model
+    if m.host is not None and int(m.ring.length) + k_ < m.ring.window <= int(m.ring.length) + n + k_:
+      s = spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(0), jnp.int32(0), **kwargs)   # the tier's form too
     jax.block_until_ready(s)
     t1 = time.perf_counter()
-    s = spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(n), **kwargs)
+    while not bool(s.done) and int(s.n_hist) - T < n:
+      s = segment(s, n)
     jax.block_until_ready(s)
   dt = time.perf_counter() - t1
   if int(s.bad) >= 0:

@@ -89,39 +89,38 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, options: O
   then keeps those after the accepted prefix. A ring masks rejected positions; a recurrent state cannot.
 
   With a host tier, positions leaving the ring's window move to the tier before any layer writes, and each
-  layer's attention merges the ring's part with the tier's. With options.skip_idle_tier a pass in which no
-  position has left the window yet (pos[-1] < window: the tier holds nothing visible) runs the ring-only trunk
-  under one lax.cond instead: one predicate per pass rather than one dynamic-bound tier loop per layer."""
+  layer's attention merges the ring's part with the tier's. A caller whose positions all stay inside the window
+  holds the tier out of the call instead (`split_idle_tier`): the trunk then compiles and runs ring-only."""
   ring = state.ring
   tokens_T = tokens_T.astype(jnp.int32)
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   block = _block(ring, attn_block)
 
-  def trunk(ring, experts, rec, tier):
-    with jax.default_matmul_precision(MATMUL_PRECISION):
-      return Decoder(cfg, options, keep_states).apply({"params": trunk_params(params)}, tokens_T, pos, ring, block,
-                                                      last_only, experts, tier, rec)
-
-  def with_tier(ring, experts, rec, tier):
-    tier, ring = host_tier.evict_leaving(tier, ring, pos)
-    return (*trunk(ring, experts, rec, tier), tier)
-
-  def ring_only(ring, experts, rec, tier):
-    return (*trunk(ring, experts, rec, None), tier)
-
-  if state.host is None:
-    logits, hidden, ring, experts, rec = trunk(ring, state.experts, state.recurrent, None)
-    host = None
-  elif options.skip_idle_tier:
-    logits, hidden, ring, experts, rec, host = jax.lax.cond(pos[-1] >= ring.window, with_tier, ring_only, ring,
-                                                            state.experts, state.recurrent, state.host)
-  else:
-    logits, hidden, ring, experts, rec, host = with_tier(ring, state.experts, state.recurrent, state.host)
+  host = state.host
+  if host is not None:
+    host, ring = host_tier.evict_leaving(host, ring, pos)
+  with jax.default_matmul_precision(MATMUL_PRECISION):
+    logits, hidden, ring, experts, rec = Decoder(cfg, options, keep_states).apply(
+        {"params": trunk_params(params)}, tokens_T, pos, ring, block, last_only, state.experts, host, state.recurrent)
   kept = None
   if keep_states and state.recurrent is not None:
     kept, rec = rec, state.recurrent.replace(conv=tuple(c.conv for c in rec), delta=tuple(c.delta for c in rec))
   state = state.replace(ring=ring.advance(tokens_T.shape[0]), experts=experts, host=host, recurrent=rec)
   return (logits, hidden, state, kept) if keep_states else (logits, hidden, state)
+
+
+def split_idle_tier(state: ModelState, last_pos: int) -> tuple[ModelState, object]:
+  """(state without its host tier, the tier) for a call whose positions end at `last_pos` (a Python int) when no
+  position up to it leaves the ring's window: the tier then holds nothing attention reads and takes nothing, and
+  the call compiles and runs the ring-only trunk (`join_tier` puts the tier back after). Else (state, None)."""
+  if state.host is None or last_pos >= state.ring.window:
+    return state, None
+  return state.replace(host=None), state.host
+
+
+def join_tier(state: ModelState, held) -> ModelState:
+  """The state with the tier `split_idle_tier` held out put back (unchanged when nothing was held)."""
+  return state if held is None else state.replace(host=held)
 
 
 def select_recurrent(state: ModelState, kept, t) -> ModelState:

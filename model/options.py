@@ -31,10 +31,6 @@ class Options:
   # launches, and every token's row computed the same way whatever T is, so a verify pass reproduces the plain
   # steps bitwise on the GPU (DESIGN invariant 3). False: the jnp ops.
   glue: bool = True
-  # With a host tier: a pass in which no position has left the ring's window runs the ring-only trunk under one
-  # lax.cond (one predicate per pass instead of one dynamic-bound tier loop per layer; docs/PERF.md "The seed
-  # experiment"). False: every pass runs the tier's evict and attention.
-  skip_idle_tier: bool = True
   # Operands of the prefill GEMMs: "f32" (three bf16 MMAs, float32-accurate), "bf16" (one MMA), "auto" (bf16 on a
   # GPU, f32 elsewhere). Decode and verify passes always run float32.
   prefill_precision: str = "auto"

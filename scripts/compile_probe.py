@@ -122,10 +122,7 @@ def program(name: str, model, gen, args):
 
 
 def probe(name: str, feature: str, model, args) -> dict:
-  from model.options import Options
   gen = gen_config(args, feature)
-  if args.skip_idle_tier is not None:
-    gen = dataclasses.replace(gen, options=Options(skip_idle_tier=args.skip_idle_tier))
   fn, pos, kw = program(name, model, gen, args)
   t0 = time.perf_counter()
   lowered = fn.lower(*pos, **kw)
@@ -149,7 +146,7 @@ def probe(name: str, feature: str, model, args) -> dict:
               compile_s=round(t2 - t1, 3), run_s=round(t3 - t2, 3), run2_s=run2, hlo_lines=len(text.splitlines()),
               opt_hlo_lines=opt_lines, whiles=text.count("stablehlo.while"), cases=text.count("stablehlo.case"),
               experts=args.experts, top_k=args.top_k, slots=args.slots, ring=args.ring, max_context=args.max_context,
-              k=args.k, kernels=args.kernels, skip_idle_tier=args.skip_idle_tier, big_chunk=args.big_chunk)
+              k=args.k, kernels=args.kernels, big_chunk=args.big_chunk)
 
 
 def report(path: str) -> None:
@@ -183,12 +180,9 @@ def main(argv=None):
   p.add_argument("--prompt", type=int, default=16, help="prompt tokens the speculative state's history holds")
   p.add_argument("--big_chunk", type=int, default=64, help="tokens of prefillB")
   p.add_argument("--kernels", default="xla", choices=("xla", "interpret"))
-  p.add_argument("--skip_idle_tier", type=int, default=None, choices=(0, 1), help="override Options.skip_idle_tier")
   p.add_argument("--out", default="/tmp/compile_probe.jsonl")
   p.add_argument("--report", action="store_true", help="print the table of --out and run nothing")
   args = p.parse_args(argv)
-  if args.skip_idle_tier is not None:
-    args.skip_idle_tier = bool(args.skip_idle_tier)
   if args.report:
     report(args.out)
     return

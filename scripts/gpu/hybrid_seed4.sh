@@ -6,14 +6,14 @@
 # at 1K arm AR's untimed compiling run alone took 405 s (PERF "The hybrid step's SwiGLU and grid levers"), so a
 # pair does not fit 10 minutes; deeper cells also prefill through the expert cache:
 #   ONLY=AR DEPTH=1024 bash scripts/gpu/hybrid_seed4.sh      then BR, AS, BS, AN, BN; then DEPTH=32768, 131072
-# SKIP_IDLE=false compiles each pass once instead of twice (--host_skip_idle: the ring-only branch beside the tier's,
-# x2.1 of HLO per program by scripts/compile_probe.py); at 1K the tier holds nothing, so its loops run empty.
+# The engine holds the tier out of calls that stay inside the ring's window (model.api.split_idle_tier): at 1K
+# every program is compiled ring-only, at depth with the tier (once each, no lax.cond of both).
 # The table of all calls: python -m bench.cells --report a.jsonl,b.jsonl,c.jsonl --arms seed4
 set -o pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 ONLY=${ONLY:-AR}; DEPTH=${DEPTH:-1024}
 timeout ${TO:-560} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --arms seed4 --only $ONLY \
-  --depths $DEPTH --host_skip_idle=${SKIP_IDLE:-true} --expert_cache auto --device_budget 24GiB --max_context 139264 --max_new_tokens ${NEW:-256} \
+  --depths $DEPTH --expert_cache auto --device_budget 24GiB --max_context 139264 --max_new_tokens ${NEW:-256} \
   --seeds ${SEEDS:-3} --cells $OUT/seed4-$DEPTH-${ONLY/,/}.jsonl 2>&1 | grep --line-buffered -v "it/s\]\|random params" \
   | tee $OUT/seed4-$DEPTH-${ONLY/,/}.log | tail -30

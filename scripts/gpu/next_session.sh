@@ -36,8 +36,7 @@ case "${PART:-1}" in
   timeout 100 $S30 --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4          # fused
   timeout 100 $S30 --nofuse_qkv --cells 4096:1024:auto:pallas,32768:32768:auto:pallas 2>&1 | filt | tail -4
   H=32768:1024:auto:pallas:139264,32768:32768:auto:pallas:139264,32768:65536:auto:pallas:139264,32768:131072:auto:pallas:139264
-  timeout 170 $S30 --steps 16 --nohost_skip_idle --cells $H 2>&1 | filt | tee -a $OUT/host.log | grep -v "^$" | tail -6
-  timeout 120 $S30 --steps 16 --host_skip_idle --cells ${H%%,*} 2>&1 | filt | tee -a $OUT/host.log | grep -v "^$" | tail -3
+  timeout 170 $S30 --steps 16 --cells $H 2>&1 | filt | tee -a $OUT/host.log | grep -v "^$" | tail -6
   ;;
 2)  # issue 5: k = 1 and 3 in one run with their plain arm, lookup with draftless rounds as plain steps; issue 7:
     # prefill chunk 4 and 16 against the default 8 (16 runs the reference attention: the kernel takes T <= 8)
@@ -51,10 +50,10 @@ case "${PART:-1}" in
   done ;;
 3)  # issue 7 item 3: the seed's arms on the GPU with the Pallas kernels, 3 seeds; max_context 139,264 over rings of
     # 32K/48K attaches a host tier (idle at 1K depth). Two arms per call (ONLY=AN,BN etc.: ~5 min on one GPU at
-    # 490ae0f). The idle-tier skip is on (SKIP=--nohost_skip_idle: the tier's path every step, as at 490ae0f)
+    # 490ae0f). An idle tier is held out of the calls (model.api.split_idle_tier)
   timeout ${T3:-560} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --arms seed4 --depths 1024 \
     --expert_cache auto ${ONLY:+--only $ONLY} \
-    ${SKIP:---host_skip_idle} --max_new_tokens 256 --seeds ${SEEDS:-3} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
+    --max_new_tokens 256 --seeds ${SEEDS:-3} --max_context 139264 --cells $OUT/seed4.jsonl 2>&1 | filt | tail -30 ;;
 4)  # issue 6: the seed's 24 GiB card on seed-mtp (experts do not fit: auto slots), ring +16K, drafts on/off
   timeout 560 python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --device_budget 24GiB \
     --expert_cache auto --rings 32768,49152 --drafts none,replay@3 --depths 1024 --max_new_tokens 64 --seeds 1 \

@@ -134,16 +134,14 @@ def test_sampled_mtp_runs_and_respects_the_budget():
   assert nucleus.stats["drafts_accepted"] == greedy.stats["drafts_accepted"]
 
 
-@pytest.mark.parametrize("drafter,skip_idle", [("mtp", False), ("lookup", True)])
-def test_greedy_speculative_with_a_host_tier_equals_plain_greedy(drafter, skip_idle, monkeypatch, request):
+@pytest.mark.parametrize("drafter", ["mtp", "lookup"])
+def test_greedy_speculative_with_a_host_tier_equals_plain_greedy(drafter, monkeypatch, request):
   """A ring of 256 under max_context 1024 (the seed experiment's setting in small): a 600-token prompt and
   verify passes that move positions into the host tier as they leave the window; the tokens of plain greedy
   decoding on one ring that holds everything, and the same acceptance as speculative decoding on that ring."""
-  from model.options import Options
   prompt = _prompt(600, seed=4)
   plain = generate(_model(), prompt, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", kv_resident=2048).ids
-  kw = dict(drafter=drafter, k=3, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", mtp_window=256,
-            options=Options(skip_idle_tier=skip_idle))
+  kw = dict(drafter=drafter, k=3, max_new_tokens=N_NEW, stop_at_eos=False, kv="int8", mtp_window=256)
   tier = speculative_generate(_model(), prompt, kv_resident=256, max_context=1024, **kw)
   big = speculative_generate(_model(), prompt, kv_resident=2048, **kw)
   assert tier.ids == plain

@@ -178,44 +178,43 @@ def test_host_tier_beside_the_attention_kernels_equals_full_cache(kernel, monkey
   monkeypatch.setattr(module, name, counted)
   m = _model()
   n, kw = (300, dict(max_new_tokens=16)) if kernel == "decode" else (400, dict(max_new_tokens=8, prefill_chunk=100))
-  kw["options"] = Options(skip_idle_tier=False, tunings=tunings)   # only the tier's path traced (no ring-only branch)
+  kw["options"] = Options(tunings=tunings)
   prompt = [int(t) for t in np.random.default_rng(4).integers(0, 1024, n)]
   big = generate(m, prompt, stop_at_eos=False, kv="int8", kv_resident=1024, **kw)
   assert calls and not any(calls)
   calls.clear()
   small = generate(m, prompt, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024, **kw)
-  assert calls and all(calls)
+  # the decode steps all run beside the tier; the prompt's first chunks stay inside the window and run ring-only
+  assert calls and (all(calls) if kernel == "decode" else set(calls) == {False, True})
   assert small.ids == big.ids
 
 
-@pytest.mark.parametrize("skip_idle", [False, True])
-def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request, skip_idle):
+def test_host_tier_in_host_memory_equals_device_tier(monkeypatch, request):
   """The tier placed in pinned_host memory (as on a GPU; jax's CPU client has the kind) runs the jitted steps
   through host-memory slices and updates only, and gives the same tokens and bitwise the same logits as the
-  tier in device memory; with and without the idle-evict cond (Options.skip_idle_tier)."""
+  tier in device memory."""
   from model import host_tier
   from decode.engine import GenConfig, start_request
   m = _model()
   prompt = [int(t) for t in np.random.default_rng(3).integers(0, 1024, 600)]
-  opts = Options(skip_idle_tier=skip_idle)
-  gen = GenConfig(max_new_tokens=8, kv="int8", kv_resident=256, max_context=1024, options=opts)
+  gen = GenConfig(max_new_tokens=8, kv="int8", kv_resident=256, max_context=1024)
   dev = start_request(m, prompt, gen)
-  base = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
-                  options=opts)
+  base = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
   place = host_tier.place_on_host
   monkeypatch.setattr(host_tier, "place_on_host", lambda t: place(t, memory_kind="pinned_host"))
   n_prefill = api.prefill._cache_size()
   host = start_request(m, prompt, gen)
   assert {a.sharding.memory_kind for a in host.state.host.k} == {"pinned_host"}
-  # chunks of the window (256) and one tail (88): two compiles; the tier's committed arrays made every array of the
-  # first chunk's output committed, so without engine.commit_for_store the second chunk compiled again
-  assert api.prefill._cache_size() - n_prefill == 2
+  # chunks of the window (248) and one tail: the first chunk ring-only (the tier held out; the state committed,
+  # unlike the device-tier request's), the second and the tail beside the tier: three compiles. The tier's
+  # committed arrays make every array of a chunk's output committed, so without engine.commit_for_store the
+  # first chunk's inputs differed from the later ones' and compiled again
+  assert api.prefill._cache_size() - n_prefill == 3
   np.testing.assert_array_equal(np.asarray(host.logits), np.asarray(dev.logits))
   for a, b in zip(host.state.host.k + host.state.host.v, dev.state.host.k + dev.state.host.v):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   n_loop = engine.decode_loop._cache_size()
-  got = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
-                 options=opts)
+  got = generate(m, prompt, max_new_tokens=40, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
   assert got.ids == base.ids
   assert engine.decode_loop._cache_size() - n_loop <= 1
 
@@ -227,20 +226,18 @@ def _ring_copies(hlo: str, ring: KVRing) -> int:
   return sum(1 for line in hlo.splitlines() if pat.search(line))
 
 
-@pytest.mark.parametrize("drafter,skip_idle", [("plain", False), ("lookup", False), ("mtp", False), ("plain", True),
-                                               ("lookup", True)])
-def test_host_tier_steps_never_copy_the_ring(drafter, skip_idle, monkeypatch, request):
+@pytest.mark.parametrize("drafter", ["plain", "lookup", "mtp"])
+def test_host_tier_steps_never_copy_the_ring(drafter, monkeypatch, request):
   """A step or speculative round with a host tier attached updates the ring in place: the compiled program holds
   no copy of a whole ring array. The tier's evict reads ring rows that the layers then overwrite in place; with
   those reads unordered against the writes, XLA copied every layer's ring in each step (in a lookup round: in
   the loop body and again in each branch of its draftless `lax.cond`), a cost proportional to the capacity R
   at any depth, the seed report's shape (a larger ring slower at 1K). `host_tier.evict_leaving` orders them
-  with an optimization barrier; with Options.skip_idle_tier the trunk runs under a cond whose two branches must not
-  copy it either. Checked on the XLA CPU compiler."""
+  with an optimization barrier. Checked on the XLA CPU compiler."""
   from bench import cells as bench
   from decode import speculative as sp
   from decode.engine import GenConfig, start_request
-  opts = Options(skip_idle_tier=skip_idle)
+  opts = Options()
   m = bench._in_memory_model("tiny-glm4moe", "IQ3_S")
   k, prompt = 3, list(range(1, 40))
   gen = GenConfig(kv="int8", kv_resident=1024, max_new_tokens=16, max_context=8192)
@@ -258,38 +255,38 @@ def test_host_tier_steps_never_copy_the_ring(drafter, skip_idle, monkeypatch, re
   assert _ring_copies(lowered.compile().as_text(), st.state.ring) == 0
 
 
-def test_idle_tier_skip_crosses_the_window_exactly(monkeypatch, request):
-  """Options.skip_idle_tier: a prompt shorter than the ring's window runs the ring-only trunk (one cond per
-  pass) until generation moves positions out of the window, then the tier's path. Same greedy tokens as one ring
-  holding everything, and the same logits as without the skip (the skipped tier partial is empty: merging it
-  changes nothing)."""
+def test_idle_tier_held_out_crosses_the_window_exactly(monkeypatch, request):
+  """A prompt shorter than the ring's window: the engine holds the host tier out of the calls whose positions stay
+  inside the window (model.api.split_idle_tier: ring-only programs) and runs the tier's path from the first step
+  that reaches it. Same greedy tokens as one ring holding everything, and the same logits as steps that run the
+  tier's path throughout (the tier's partial over an empty tier is empty: merging it changes nothing)."""
   from decode.engine import GenConfig, start_request
   m = _model()
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 200)]
   big = generate(m, prompt, max_new_tokens=90, stop_at_eos=False, kv="int8", kv_resident=2048)
+  kw = dict(max_new_tokens=90, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
+  assert generate(m, prompt, **kw).ids == big.ids
+  assert generate(m, prompt, eager=True, **kw).ids == big.ids
   logits = {}
-  for skip in (False, True):
-    opts = Options(skip_idle_tier=skip)
-    got = generate(m, prompt, max_new_tokens=90, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
-                   options=opts)
-    assert got.ids == big.ids, f"skip={skip}"
-    st = start_request(m, prompt, GenConfig(max_new_tokens=90, kv="int8", kv_resident=256, max_context=1024,
-                                            options=opts))
+  for hold in (False, True):
+    st = start_request(m, prompt, GenConfig(**kw))
     out, state = [], st.state
-    for t in big.ids[:70]:                    # positions 200 .. 269 cross the window (256) at step 56
-      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg, options=opts)
+    for t in big.ids[:70]:                    # positions 200 .. 269 cross the window (248) at step 48
+      state, held = api.split_idle_tier(state, int(state.ring.length)) if hold else (state, None)
+      l, _, state = api.decode_step(m.params, jnp.int32(t), state, cfg=m.cfg)
+      state = api.join_tier(state, held)
       out.append(np.asarray(l))
-    logits[skip] = np.stack(out)
+    logits[hold] = np.stack(out)
   np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=1e-5)
 
 
-def test_idle_tier_skip_runs_no_tier_work_while_idle(monkeypatch, request):
-  """Options.skip_idle_tier, counted at run time (a jax.debug.callback inside the tier's path, which executes
-  only when its branch runs): a request whose positions stay inside the ring's window runs the tier's path in no
-  pass with the skip and in every pass without it; a request that crosses the window runs it exactly in the
-  passes whose last position has left the window."""
+def test_idle_tier_held_out_runs_no_tier_work_while_idle(monkeypatch, request):
+  """Counted at run time (a jax.debug.callback inside the tier's path, host_tier.evict_leaving): a request whose
+  positions stay inside the ring's window runs the tier's path in no pass, jitted or eager; a request that crosses
+  the window runs it exactly in the passes whose last position has left the window, plain or speculative."""
   from model import host_tier
   from decode.engine import GenConfig, start_request
+  from decode.speculative import speculative_generate
   runs = []
   real = host_tier.evict_leaving
 
@@ -303,16 +300,22 @@ def test_idle_tier_skip_runs_no_tier_work_while_idle(monkeypatch, request):
   kw = dict(stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
   window = start_request(m, [1], GenConfig(max_new_tokens=1, **kw)).state.ring.window
   prompt = [int(t) for t in np.random.default_rng(6).integers(0, 1024, 100)]
-  for skip, expect in ((True, 0), (False, 1 + 19)):        # one prefill pass, then 19 decode steps
+  for eager in (False, True):
     runs.clear()
-    generate(m, prompt, max_new_tokens=20, options=Options(skip_idle_tier=skip), **kw)
+    generate(m, prompt, max_new_tokens=20, eager=eager, **kw)
     jax.effects_barrier()
-    assert len(runs) == expect, (skip, runs)
-  runs.clear()
+    assert runs == [], (eager, runs)
   long = [int(t) for t in np.random.default_rng(7).integers(0, 1024, window - 10)]   # ends 10 before the edge
+  runs.clear()
   generate(m, long, max_new_tokens=30, **kw)              # steps write positions window - 10 .. window + 18
   jax.effects_barrier()
   assert runs == list(range(window, window + 19)), runs
+  runs.clear()
+  r = speculative_generate(m, long, drafter="lookup", k=3, max_new_tokens=30, **kw)
+  jax.effects_barrier()
+  # a round at P writes P .. P + 3 (a draftless round P alone): the tier's path from the first round whose last
+  # position P + 3 reaches the window (recorded: P + 3, or P for a draftless one), in no round before it
+  assert runs and min(runs) >= window - 3 and max(runs) >= window and len(runs) <= r.stats["rounds"], runs
 
 
 def test_first_interpret_kernel_trace_does_not_recompile_the_prefill():
