@@ -300,7 +300,6 @@ def _plan(model, arm: Arm, gen, k: int):
   return plan_request(model, ring=ring, kv=arm.kv, max_context=gen.max_context, k=k,
                       mtp_window=FLAGS.mtp_window if arm.draft == "mtp" else None, expert_cache=arm.cache,
                       budget=device_budget(FLAGS.device_budget), prefill_chunk=min(prefill_chunk(gen), arm.depth),
-                      cached_chunk=min(prefill_chunk(dataclasses.replace(gen, expert_slots=0)), arm.depth),
                       fixed_ring=gen.kv_resident is not None)
 
 

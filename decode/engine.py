@@ -169,24 +169,24 @@ def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, s
 
 PREFILL_CHUNK = 2048          # tokens per prefill call on CPU (GenConfig.prefill_chunk None)
 KERNEL_PREFILL_CHUNK = 8      # on a GPU: the decode kernels' batch (attention kernel T <= 8, MoE kernels B <= 16)
-GEMM_PREFILL_CHUNK = 1024     # on a GPU without expert slots: full chunks through the tensor-core GEMMs
+GEMM_PREFILL_CHUNK = 1024     # on a GPU: full chunks through the tensor-core GEMMs
 
 
 def prefill_chunk(gen: GenConfig) -> int:
   """Tokens per prefill call: gen.prefill_chunk, else the backend's default.
 
   On a GPU: GEMM_PREFILL_CHUNK, so full chunks of the prompt run the tensor-core GEMMs (ops/qgemm_pallas,
-  ops/moe_grouped_pallas), or KERNEL_PREFILL_CHUNK with expert slots (every chunk's routed experts must be
-  resident at once, and the cache's path runs the decode kernels). The remainder after the full chunks runs 8
-  tokens a call (`prefill_tail`). On CPU: PREFILL_CHUNK (one big call is fastest). Measured on the H200 in
-  docs/PERF.md "Prefill"."""
+  ops/moe_grouped_pallas). With expert slots too: a chunk routing more (token, expert) pairs than a block has
+  experts streams each MoE block's experts from the store once (model.transformer.MoE's direct path; the plan
+  reserves the block, decode.kv_plan "streamed experts"), where 8-token chunks through the slots loaded every
+  chunk's misses (206 GB moved for a 1K prompt on seed-mtp, 6.5x the store: docs/PERF.md "Replay rounds against
+  the faster step"). The remainder after the full chunks runs 8 tokens a call (`prefill_tail`). On CPU:
+  PREFILL_CHUNK (one big call is fastest)."""
   if gen.prefill_chunk is not None:
     if gen.prefill_chunk < 1:
       raise RequestError(f"prefill_chunk: {gen.prefill_chunk}, expected at least 1 token per call")
     return gen.prefill_chunk
-  if on_gpu():
-    return KERNEL_PREFILL_CHUNK if gen.expert_slots is not None else GEMM_PREFILL_CHUNK
-  return PREFILL_CHUNK
+  return GEMM_PREFILL_CHUNK if on_gpu() else PREFILL_CHUNK
 
 
 def prefill_tail(chunk: int) -> int:

@@ -215,7 +215,6 @@ def _plan(model, gen, n_prompt: int, drafter: str):
   kw = dict(kv=gen.kv, max_context=gen.max_context, mtp_window=FLAGS.mtp_window if drafter == "mtp" else None, k=k,
             expert_cache=FLAGS.expert_cache, budget=device_budget(FLAGS.device_budget),
             prefill_chunk=min(prefill_chunk(gen), n_prompt),
-            cached_chunk=min(prefill_chunk(dataclasses.replace(gen, expert_slots=0)), n_prompt),
             fixed_ring=gen.kv_resident is not None)
   plan, slots = plan_request(model, ring=ring, **kw)
   import jax

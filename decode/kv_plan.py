@@ -158,6 +158,11 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     items.append(Item("weights (non-expert)", weight_bytes - expert_bytes))
     items.append(Item("expert cache slots", expert_cache_bytes))
     items.append(Item("expert store", expert_bytes, "host"))
+    if cfg.n_experts and prefill_chunk * cfg.top_k > cfg.n_experts:
+      # a prefill chunk of more (token, expert) pairs than experts runs the direct path: each MoE block's experts
+      # move from the store whole (model.transformer.MoE), one block's buffer beside its neighbour's
+      from model.expert_cache import expert_blocks
+      items.append(Item("streamed experts", 2 * -(-expert_bytes // len(expert_blocks(cfg)))))
   n_attn = len(cfg.attention_layers)                  # a hybrid model's ring holds its attention layers only
   items.append(Item("main ring", ring * kv_bytes_per_token(cfg, n_attn, kv), mode=0))
   if cfg.recurrent_layers:
@@ -235,13 +240,13 @@ def check_host_memory(plan: MemoryPlan, limit: int | None = None) -> MemoryPlan:
 
 def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_window: int | None, k: int,
                  expert_cache: str = "all", budget: int | None = None, prefill_chunk: int = 1024,
-                 cached_chunk: int | None = None, fixed_ring: bool = True) -> tuple[MemoryPlan, int | None]:
+                 fixed_ring: bool = True) -> tuple[MemoryPlan, int | None]:
   """The plan of one request and the expert-cache slots it gives: (plan, slots or None for all resident).
 
   expert_cache: "all" | "auto" (slots from what is free after everything else; all resident, slots None, when
   every expert fits) | a number of slots.
-  prefill_chunk: tokens per prefill call (the workspace; the engine's is decode.engine.prefill_chunk(gen));
-  cached_chunk: the same when experts run from slots (default prefill_chunk; the engine's GPU default is 8);
+  prefill_chunk: tokens per prefill call, the prompt's first (the workspace; with slots, a chunk of more (token,
+  expert) pairs than experts also reserves a streamed block; the engine's is decode.engine.prefill_chunk(gen));
   fixed_ring: as make_plan's (False for an auto ring: no host tier)."""
   from model.mesh import device_bytes, mesh_of
   total, experts = param_bytes(model.params)
@@ -256,7 +261,7 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   from model import expert_cache as xc
   slab = max(xc.slab_bytes(model.params, model.cfg).values())
   n_experts_total = len(xc.expert_blocks(model.cfg)) * model.cfg.n_experts
-  cached = dict(base, prefill_chunk=cached_chunk or prefill_chunk)
+  cached = base
   if expert_cache == "auto":
     probe = make_plan(model.cfg, **cached, expert_cache_bytes=0)
     if budget is None:

@@ -265,11 +265,11 @@ assert t.pick("qmatmul", "Q4_K").natural_b == 4 and t.pick("qmatmul", "Q8_0").na
 assert t.pick("moe", "Q4_K").down.natural_b == 4 and t.pick("moe", "IQ3_S").gateup.natural_b == 0
 t = step.glue_options("on/xnat=Q4_K:4/qmm=256")[1]
 assert t.pick("qmatmul", "Q8_0").programs == 256 and t.pick("qmatmul", "Q4_K").natural_b == 4
-o = step.cell_options("on", "bf16x2/16/4/1", True)
+o = step.cell_options("on", "bf16x2/16/4/1")
 assert o.tunings.attention_impl == "pallas"
 assert o.tunings.attention == attention_pallas.Tuning(bk=16, num_warps=4, num_stages=1, dots="bf16x2")
-assert step.cell_options("on", "auto", True, "tf32x3").tunings.attention == attention_pallas.Tuning(dots="tf32x3")
-assert step.cell_options("off", "ref", False).glue is False and hash(o) == hash(step.cell_options("on", "bf16x2/16/4/1", True))
+assert step.cell_options("on", "auto", "tf32x3").tunings.attention == attention_pallas.Tuning(dots="tf32x3")
+assert step.cell_options("off", "ref").glue is False and hash(o) == hash(step.cell_options("on", "bf16x2/16/4/1"))
 for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on/xnat=Q9_9:4", "on/qmm=-1"):
   try:
     step.glue_options(bad); raise SystemExit(bad + " accepted")
@@ -278,12 +278,12 @@ for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on
 cfg = preset("tiny-qwen3moe")
 params = fuse_qkv(random_params(cfg, types=quant_policy("Q4_K", "Q8_0")))
 ring = lambda: step.fill_ring(KVRing.create(cfg.n_layers, 256, cfg.n_kv_heads, cfg.head_dim, "int8", block=32), 40)
-opts = step.cell_options("on/rope=1/xnat=Q4_K:4+Q8_0:4/qmm=64", "bf16x2/16/4/1", True)
+opts = step.cell_options("on/rope=1/xnat=Q4_K:4+Q8_0:4/qmm=64", "bf16x2/16/4/1")
 opts = opts.replace(tunings=opts.tunings.replace(attention_impl="interpret"))
 run = lambda p, o: np.asarray(api.decode_step(p, jnp.int32(7), api.ModelState(ring()), cfg=cfg, options=o)[0])
 got = run(with_kernels(params, "interpret"), opts)
 with jax.default_matmul_precision("highest"):
-  ref = run(with_kernels(params, "xla"), step.cell_options("off", "ref", True))
+  ref = run(with_kernels(params, "xla"), step.cell_options("off", "ref"))
 assert got.argmax() == ref.argmax() and np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-4, np.linalg.norm(got - ref)
 print("ok")
 """

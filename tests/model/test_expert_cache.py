@@ -151,7 +151,8 @@ def test_auto_slots_from_the_plan():
   run); a tighter budget -> the slots that fit what is left after everything else, fewer than all."""
   from decode.kv_plan import GiB, plan_request
   m = _m("glm4moe", "IQ3_S")
-  kw = dict(ring=1024, kv="int8", max_context=None, mtp_window=None, k=0, expert_cache="auto", prefill_chunk=8)
+  kw = dict(ring=1024, kv="int8", max_context=None, mtp_window=None, k=0, expert_cache="auto",
+            prefill_chunk=m.cfg.n_experts // m.cfg.top_k)          # chunks through the slots (no streamed block)
   total = len(xc.expert_blocks(m.cfg)) * m.cfg.n_experts
   slab = max(xc.slab_bytes(m.params, m.cfg).values())
   assert plan_request(m, **kw, budget=None)[1] is None
@@ -314,15 +315,17 @@ def test_plan_workspace_covers_the_grouped_gemm_buffers():
   assert ws(T) - ws(8) >= grouped
 
 
-def test_cached_plan_sizes_the_workspace_for_the_cached_chunk():
-  """With slots the engine prefills in its cached chunk (8 tokens on a GPU), so the plan's workspace and slots
-  follow `cached_chunk`, not the all-resident chunk; all resident keeps prefill_chunk's workspace."""
-  from decode.kv_plan import GiB, plan_request
-  m = _m("glm4moe", "IQ3_S")
-  kw = dict(ring=1024, kv="int8", max_context=None, mtp_window=None, k=0, prefill_chunk=1024)
-  big = plan_request(m, **kw, expert_cache="all")[0].get("workspace")
-  small = plan_request(m, **dict(kw, prefill_chunk=8), expert_cache="all")[0].get("workspace")
-  assert big > small
-  cached = plan_request(m, **kw, expert_cache="16", cached_chunk=8)[0]
-  assert cached.get("workspace") == small
-  assert plan_request(m, **kw, expert_cache="all", cached_chunk=8, budget=64 * GiB)[0].get("workspace") == big
+def test_cached_plan_reserves_the_streamed_block_for_big_chunks():
+  """With slots, a prefill chunk routing more (token, expert) pairs than a block has experts runs the direct path,
+  which moves each MoE block's experts from the store whole: the plan reserves two blocks' experts ("streamed
+  experts", which `auto` takes from the slots); a chunk within the experts (chunk x top-k <= E) reserves
+  nothing, and an all-resident plan never does. On the seed-mtp shape: 2 of 49 blocks (48 trunk, 1 NextN)."""
+  from configs.presets import QWEN3NEXT_80B_A3B as cfg
+  from decode.kv_plan import GiB, make_plan
+  kw = dict(weight_bytes=36 * GiB, expert_bytes=34 * GiB, ring=32768, kv="int8", budget=24 * GiB)
+  fits = cfg.n_experts // cfg.top_k                                  # 51 x 10 <= 512
+  big = make_plan(cfg, **kw, expert_cache_bytes=20 * GiB, prefill_chunk=1024)
+  assert big.get("streamed experts") == 2 * -(-34 * GiB // len(xc.expert_blocks(cfg))) and len(xc.expert_blocks(cfg)) == 49
+  assert make_plan(cfg, **kw, expert_cache_bytes=20 * GiB, prefill_chunk=fits).get("streamed experts") == 0
+  assert make_plan(cfg, **kw, prefill_chunk=1024).get("streamed experts") == 0             # all resident
+  assert make_plan(cfg, **kw, expert_cache_bytes=20 * GiB, prefill_chunk=fits + 1).get("streamed experts") > 0
