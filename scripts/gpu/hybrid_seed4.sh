@@ -2,10 +2,11 @@
 # Issue 26 item 4: the seed report's experiment on its own model shape (seed-mtp = qwen3next-80b-a3b, random valid
 # IQ3_S blocks in memory, int8 KV) under the seed machine's 24 GiB: the expert cache sized by the plan
 # (--expert_cache auto --device_budget 24GiB), max_context 139,264 (a host tier behind each ring), rings 32,768
-# and 49,152, NextN / replay / lookup drafts at k = 3, 3 seeds x 256 tokens. One depth and one arm per device call:
-# at 1K arm AR's untimed compiling run alone took 405 s (PERF "The hybrid step's SwiGLU and grid levers"), so a
-# pair does not fit 10 minutes; deeper cells also prefill through the expert cache:
-#   ONLY=AR DEPTH=1024 bash scripts/gpu/hybrid_seed4.sh      then BR, AS, BS, AN, BN; then DEPTH=32768, 131072
+# and 49,152, NextN / replay / lookup drafts at k = 3, 3 seeds x 256 tokens. One depth per device call, one or two
+# arms: at 604b844 arm AR's compiling run took 233 s (405 s before) and a seed 58 s, 44 s of it two 1K prefills in
+# 8-token chunks through the slots; since 584a92f the prompt streams each block's experts once per 1,024-token
+# chunk (PERF "Replay rounds against the faster step"), so a pair (ONLY=AR,BR) may fit 10 minutes:
+#   ONLY=AR,BR DEPTH=1024 bash scripts/gpu/hybrid_seed4.sh      then AS,BS and AN,BN; then DEPTH=32768, 131072
 # The engine holds the tier out of calls that stay inside the ring's window (model.api.split_idle_tier): at 1K
 # every program is compiled ring-only, at depth with the tier (once each, no lax.cond of both).
 # The table of all calls: python -m bench.cells --report a.jsonl,b.jsonl,c.jsonl --arms seed4
