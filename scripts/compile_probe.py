@@ -21,6 +21,8 @@ One JSON line per cell to --out (appended); --report prints the table of the lin
   .venv/bin/python scripts/compile_probe.py --layers 12 --out /tmp/probe.jsonl
   .venv/bin/python scripts/compile_probe.py --layers 48 --programs prefill8,decode,spec --out /tmp/probe.jsonl
   .venv/bin/python scripts/compile_probe.py --report --out /tmp/probe.jsonl
+On a GPU, `--kernels pallas --layers 12` against `--layers 48` shows whether compile time grows with the layers
+(each layer's Pallas calls compiled anew) or not.
 """
 from __future__ import annotations
 
@@ -179,7 +181,8 @@ def main(argv=None):
   p.add_argument("--new", type=int, default=8, help="new tokens (buffers; the loops' run)")
   p.add_argument("--prompt", type=int, default=16, help="prompt tokens the speculative state's history holds")
   p.add_argument("--big_chunk", type=int, default=64, help="tokens of prefillB")
-  p.add_argument("--kernels", default="xla", choices=("xla", "interpret"))
+  p.add_argument("--kernels", default="xla", choices=("xla", "interpret", "pallas"),
+                 help="the quantized kernels (pallas: compiled, on a GPU: compile time with its Triton kernels)")
   p.add_argument("--out", default="/tmp/compile_probe.jsonl")
   p.add_argument("--report", action="store_true", help="print the table of --out and run nothing")
   args = p.parse_args(argv)
