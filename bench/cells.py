@@ -76,8 +76,9 @@ flags.DEFINE_bool("reuse_prefill", False, "arms that share a prompt, ring, tier 
                   "(bench.prefill_cache.PrefillCache; TTFT reports the original prefill's time, records say prefill_reused): "
                   "seeds run outermost and each arm's compiling run takes seed 0's prompt. For deep cells, whose "
                   "prefill dwarfs the decode")
-flags.DEFINE_string("mesh", None, "split the model over this host's devices: ep=N (routed experts by expert id, the "
-                    "rest replicated; model/mesh.py); default: one device")
+flags.DEFINE_string("mesh", None, "split the model over this host's devices: ep=N[,tp=M] (routed experts by expert "
+                    "id; K/V rings and attention by head where the heads divide; the rest replicated; model/mesh.py); "
+                    "default: one device")
 flags.DEFINE_string("cells", "/tmp/moejax-bench/cells.jsonl", "JSONL output (one record per timed run)")
 flags.DEFINE_string("plot", None, "PNG of decode tok/s against depth per arm (default: beside --cells)")
 flags.DEFINE_list("report", None, "JSONL files of earlier runs: print their table, verdicts and plot for the arms the "

@@ -139,12 +139,13 @@ def commit_for_store(tree, params, cfg: ModelConfig):
   host memory), else `tree` itself. A jitted call with committed inputs returns committed outputs, so its other
   inputs must be committed up front or the next call, fed those outputs, compiles again (a 32K prompt with a
   tier compiled its second 1,024-token chunk anew on the H200: 13 s). Committed arrays stay where they are.
-  Params on a mesh (model.mesh): every uncommitted array is placed replicated on it instead."""
+  Params on a mesh (model.mesh): every uncommitted array is placed on it instead (model.mesh.place_state: rings split
+  by K/V head over tp where the heads divide, the rest replicated)."""
   from model import expert_cache as xc
-  from model.mesh import mesh_of, replicate
+  from model.mesh import mesh_of, place_state
   mesh = mesh_of(params)
   if mesh is not None:
-    return replicate(tree, mesh)
+    return place_state(tree, mesh)
   held = any(isinstance(x, jax.Array) and x.committed for x in jax.tree.leaves(tree))
   if not held and all(k == "device" for ks in xc.store_kinds(params, cfg).values() for k in ks):
     return tree

@@ -52,8 +52,9 @@ flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert cache eviction
 flags.DEFINE_string("cache_dir", None, "orbax cache of loaded params (a second load skips GGUF parsing)")
 flags.DEFINE_bool("json", False, "print one JSON object as the last stdout line")
 flags.DEFINE_bool("eager", False, "run the decode loop eagerly (debugging)")
-flags.DEFINE_string("mesh", None, "split the model over this host's devices: ep=N (routed experts split by expert id "
-                    "over N devices, the rest replicated); default: one device")
+flags.DEFINE_string("mesh", None, "split the model over this host's devices: ep=N[,tp=M] (routed experts split by "
+                    "expert id over N devices; K/V rings and attention split by head over M where the heads divide; "
+                    "the rest replicated); default: one device")
 
 
 def check_flags() -> str | None:

@@ -141,12 +141,13 @@ class MemoryPlan:
 def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16", max_context: int | None = None,
               mtp_window: int | None = None, k: int = 0, expert_bytes: int = 0, expert_cache_bytes: int | None = None,
               prefill_chunk: int = 1024, budget: int | None = None, fixed_ring: bool = True,
-              devices: dict[str, int] | None = None) -> MemoryPlan:
+              devices: dict[str, int] | None = None, kv_shards: int = 1) -> MemoryPlan:
   """The plan for one request shape. weight_bytes: all params; expert_bytes: the routed experts' share of it;
   expert_cache_bytes: device slots when experts are cached (None: all resident). fixed_ring: the ring is the
   request's --kv_resident; False for an auto ring (the request's bucket), which grows and never gets a host tier.
   devices (under a mesh): the params' bytes on each device (model.mesh.device_bytes); the "weights" item is then
-  the fullest device's, every other item replicated on each device."""
+  the fullest device's, every other item replicated on each device, but the K/V rings, split by head over
+  `kv_shards` devices (the mesh's tp where the heads divide: model.mesh.heads_split)."""
   items = []
   if devices:
     if expert_cache_bytes is not None:
@@ -164,7 +165,7 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
       from model.expert_cache import expert_blocks
       items.append(Item("streamed experts", 2 * -(-expert_bytes // len(expert_blocks(cfg)))))
   n_attn = len(cfg.attention_layers)                  # a hybrid model's ring holds its attention layers only
-  items.append(Item("main ring", ring * kv_bytes_per_token(cfg, n_attn, kv), mode=0))
+  items.append(Item("main ring", ring * kv_bytes_per_token(cfg, n_attn, kv) // kv_shards, mode=0))
   if cfg.recurrent_layers:
     from model.recurrent import state_bytes
     items.append(Item("recurrent state", state_bytes(cfg)))
@@ -175,7 +176,8 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     tier = tier_layout(max_context, ring, k)[1]
     items.append(Item("host tier", tier * kv_bytes_per_token(cfg, n_attn, kv), "host", mode=1))
   if cfg.n_nextn and mtp_window:
-    items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv), mode=2))
+    items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv) // kv_shards,
+                      mode=2))
   # activations of one prefill chunk: residual stream, q/k/v, expert hidden, last logits (float32), plus the
   # grouped expert GEMM's row tiles (ops/moe_grouped_pallas: <= T*k + E*(M-1) rows) holding the gathered x
   # (float32, then in the piece layout), its output, and the per-pair outputs [T*k, D]
@@ -248,14 +250,16 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   prefill_chunk: tokens per prefill call, the prompt's first (the workspace; with slots, a chunk of more (token,
   expert) pairs than experts also reserves a streamed block; the engine's is decode.engine.prefill_chunk(gen));
   fixed_ring: as make_plan's (False for an auto ring: no host tier)."""
-  from model.mesh import device_bytes, mesh_of
+  from model.mesh import device_bytes, heads_split, mesh_of, tp_of
   total, experts = param_bytes(model.params)
   base = dict(weight_bytes=total, expert_bytes=experts, ring=ring, kv=kv, max_context=max_context,
               mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk, fixed_ring=fixed_ring)
   if mesh_of(model.params) is not None:          # per device: its share of the params, the rest replicated
     if expert_cache != "all":
       raise PlanError(f"memory plan: --expert_cache {expert_cache} under a mesh, expected all (every expert resident)")
-    return make_plan(model.cfg, **base, devices=device_bytes(model.params)).check(), None
+    mesh = mesh_of(model.params)
+    shards = tp_of(mesh) if heads_split(mesh, model.cfg.n_kv_heads) else 1
+    return make_plan(model.cfg, **base, devices=device_bytes(model.params), kv_shards=shards).check(), None
   if expert_cache == "all":
     return make_plan(model.cfg, **base).check(), None
   from model import expert_cache as xc

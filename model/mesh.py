@@ -1,11 +1,17 @@
-"""A device mesh for models larger than one device: expert parallelism over one host's devices (jax.sharding).
+"""A device mesh for models larger than one device: expert and head parallelism over one host's devices
+(jax.sharding).
 
 `MeshSpec` (what `--mesh ep=2` says) -> `make_mesh` -> a `jax.sharding.Mesh` with axes ("ep", "tp"). Under it:
 - the routed experts of every MoE block (ffn/{gate,up,down}_exps, the expert store) are split by expert id: device
   i of the `ep` axis holds experts [i E/ep, (i + 1) E/ep) of every block (PartitionSpec("ep") on the leading axis
   of each plane);
-- every other param and the whole state (rings, recurrent state) is replicated on every device (a host tier, which
-  lives in the first device's pinned host memory, is refused under a mesh by the CLIs).
+- with tp > 1, the K/V rings (main and drafter) are split by K/V head over the `tp` axis where the heads divide
+  (PartitionSpec(None, "tp") on each layer's [R, Hkv, Dh] codes and [R, Hkv] scales: `place_state`), and each
+  attention layer's ring write and attention run head-parallel (`head_parallel`: a shard_map over "tp" in which a
+  device writes and attends its Hkv / tp heads and their H / tp query heads, then an all_gather of the heads'
+  outputs over "tp"); where they do not divide, rings and attention stay replicated;
+- every other param and the rest of the state (recurrent state, expert-free projections) is replicated on every
+  device (a host tier, which lives in the first device's pinned host memory, is refused under a mesh by the CLIs).
 `placer(mesh)` is a `load_params` hook that puts each param there as soon as it is built, one tensor at a time, so
 no device ever holds more than one tensor beyond its share; `shard_params` does the same for params already built
 (an orbax cache entry).
@@ -20,11 +26,13 @@ is the order of the sum over a token's top-k experts (per device, then across de
 The decode step, the MTP round and prefill stay the same pure jitted functions: the mesh reaches them as
 `Options.mesh`, a static argument (a Mesh is hashable).
 
-`tp` (tensor parallel attention / dense projections, heads-sharded K/V) is not implemented: a tp size above 1 is
-refused.
+Head parallel attention computes each head as one device does, on fewer heads; the projections around it stay
+replicated (their weights whole on every device: tp splits the K/V, the memory that grows with context, not the
+weights). The partitioned program may order a float32 sum otherwise (XLA is free to split the replicated ops
+too): logits within the summation-order bound, as under ep (tests/model/test_mesh.py).
 
->>> parse_mesh("ep=2", n_devices=4)
-MeshSpec(ep=2, tp=1)
+>>> parse_mesh("ep=2", n_devices=4), parse_mesh("ep=2,tp=2", n_devices=4)
+(MeshSpec(ep=2, tp=1), MeshSpec(ep=2, tp=2))
 >>> parse_mesh("ep=3", n_devices=2)
 Traceback (most recent call last):
 ...
@@ -53,7 +61,7 @@ class MeshError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
   ep: int = 1     # expert parallel: devices the routed experts are split across, by expert id
-  tp: int = 1     # tensor parallel (attention, dense projections): only 1 for now
+  tp: int = 1     # head parallel: devices the K/V rings and the attention heads are split across
 
   @property
   def size(self) -> int:
@@ -64,7 +72,7 @@ class MeshSpec:
 
 
 def parse_mesh(text: str | None, n_devices: int) -> MeshSpec:
-  """'ep=2', 'ep=4,tp=1' (axis=size pairs, axes ep and tp, each at most once; sizes positive integers whose
+  """'ep=2', 'ep=4,tp=2' (axis=size pairs, axes ep and tp, each at most once; sizes positive integers whose
   product is at most `n_devices`) -> MeshSpec; None or '' -> one device. Anything else is a MeshError."""
   if not text:
     return MeshSpec()
@@ -84,9 +92,6 @@ def parse_mesh(text: str | None, n_devices: int) -> MeshSpec:
   spec = MeshSpec(**sizes)
   if spec.size > n_devices:
     raise MeshError(f"{text!r}: ep x tp = {spec.size} devices, expected at most the {n_devices} devices there are")
-  if spec.tp != 1:
-    raise MeshError(f"{text!r}: tp={spec.tp}, tensor parallelism is not implemented yet, expected tp=1 "
-                    f"(experts split with ep)")
   return spec
 
 
@@ -157,13 +162,6 @@ def mesh_of(tree) -> jax.sharding.Mesh | None:
   return None
 
 
-def replicate(tree, mesh: jax.sharding.Mesh):
-  """`tree` with every uncommitted array placed replicated on `mesh` (committed arrays stay where they are): the
-  state that goes into a jitted step beside params on a mesh, so the first call compiles what the later ones run."""
-  sh = NamedSharding(mesh, P())
-  return jax.tree.map(lambda x: jax.device_put(x, sh) if isinstance(x, jax.Array) and not x.committed else x, tree)
-
-
 def device_bytes(params) -> dict[str, int]:
   """Bytes of `params` held by each device (its shards of every array), keyed by str(device), in device order."""
   out: dict = {}
@@ -172,6 +170,56 @@ def device_bytes(params) -> dict[str, int]:
       for s in x.addressable_shards:
         out[s.device] = out.get(s.device, 0) + int(s.data.nbytes)
   return {str(d): out[d] for d in sorted(out, key=lambda d: d.id)}
+
+
+def tp_of(mesh) -> int:
+  """The mesh's tp size (1 without a mesh)."""
+  return 1 if mesh is None else mesh.shape["tp"]
+
+
+def heads_split(mesh, n_kv_heads: int) -> bool:
+  """Whether K/V rings and attention run head parallel on `mesh`: tp > 1 dividing the K/V heads."""
+  tp = tp_of(mesh)
+  return tp > 1 and n_kv_heads % tp == 0
+
+
+def place_state(tree, mesh: jax.sharding.Mesh):
+  """`tree` (a request's state, or a loop state holding it) with every uncommitted array placed on `mesh`: each
+  KVRing's per-layer codes and scales split by K/V head over "tp" where the heads divide, everything else
+  replicated. Committed arrays stay where they are."""
+  from model.kv_ring import KVRing
+  rep, heads = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "tp"))
+
+  def put(x, sh):
+    return jax.device_put(x, sh) if isinstance(x, jax.Array) and not x.committed else x
+
+  def node(x):
+    if isinstance(x, KVRing) and x.k and heads_split(mesh, x.k[0].shape[1]):
+      per_layer = lambda t: None if t is None else tuple(put(a, heads) for a in t)  # noqa: E731
+      return x.replace(k=per_layer(x.k), v=per_layer(x.v), k_scale=per_layer(x.k_scale),
+                       v_scale=per_layer(x.v_scale), length=put(x.length, rep))
+    return jax.tree.map(lambda a: put(a, rep), x)
+  return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, KVRing))
+
+
+def head_parallel(write_attend, mesh: jax.sharding.Mesh):
+  """`write_attend(q_THDh, k_THkvDh, v_THkvDh, arrays, pos_T, length) -> (arrays, o_THDh)` (a layer's ring write
+  and its attention over the ring, `arrays` the layer's (k, v, k_scale, v_scale), None scales allowed) run head
+  parallel:
+  inside a shard_map over "tp" each device takes its H / tp query heads and Hkv / tp K/V heads (contiguous, so
+  the GQA groups stay whole) and its shards of the ring arrays; o is all-gathered over "tp" (replicated after),
+  the arrays come back split by head."""
+  heads, rep = P(None, "tp"), P()
+
+  def local(q, k, v, arrays, pos, length):
+    arrays, o = write_attend(q, k, v, arrays, pos, length)
+    return arrays, jax.lax.all_gather(o, "tp", axis=1, tiled=True)
+
+  def run(q, k, v, arrays, pos, length):
+    specs = tuple(None if a is None else heads for a in arrays)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, specs, rep, rep), out_specs=(specs, rep),
+                         check_vma=False)(q, k, v, arrays, pos, length)
+  return run
 
 
 def expert_parallel(moe, mesh: jax.sharding.Mesh, n_experts: int):

@@ -30,7 +30,7 @@ from model.deltanet import GatedDeltaNet
 from model.config import ModelConfig
 from model.host_tier import tier_block
 from model.kv_ring import KVLayer
-from model.mesh import expert_parallel
+from model.mesh import expert_parallel, head_parallel, heads_split
 from model.options import DEFAULT, Options
 from ops import attention as attn_ops
 from ops import moe as moe_ops
@@ -74,7 +74,8 @@ class Attention(nn.Module):
     D, H, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     wo = _param(self, "wo", _init, (D, H * Dh))
     T = x_TD.shape[0]
-    glue = _rope_write_impl(self, c) if cache is not None else "ref"
+    split = cache is not None and cache.tier is None and heads_split(self.opts.mesh, Hkv)
+    glue = _rope_write_impl(self, c) if cache is not None and not split else "ref"
     if glue != "ref":                                 # q/k norm, RoPE and the ring write in one kernel
       qkv = self._fused_qkv(x_TD)
       qn = _param(self, "q_norm", _ones, (Dh,)) if c.qk_norm else None
@@ -104,6 +105,12 @@ class Attention(nn.Module):
     if cache is None:
       o = _op(self.opts, "causal_attention", _causal_attention)(q, k, v.astype(jnp.float32), 1.0 / float(Dh) ** 0.5)
       return None, self._out(x_TD, o.reshape(T, H * Dh), wo)
+    if split:                                         # head parallel over the mesh's tp axis (model.mesh)
+      def write_attend(q, k, v, arrays, pos, length):
+        layer = cache.replace(length=length).with_arrays(arrays).write(pos, k, v)
+        return layer.arrays, self._ring_attention(q, pos, layer, attn_block)
+      arrays, o = head_parallel(write_attend, self.opts.mesh)(q, k, v, cache.arrays, pos_T, cache.length)
+      return cache.with_arrays(arrays), self._out(x_TD, o.reshape(T, H * Dh), wo)
     cache = cache.write(pos_T, k, v)
     return cache, self._attend(x_TD, q, pos_T, cache, attn_block, wo)
 
@@ -134,16 +141,22 @@ class Attention(nn.Module):
       o_TN = o_TN * jax.nn.sigmoid(gate)
     return self._linear(o_TN, wo)
 
+  def _ring_attention(self, q_THDh, pos_T, cache: KVLayer, attn_block):
+    """Attention of q [T, Hq, Dh] over the layer's ring alone (its new rows written): [T, Hq, Dh] float32."""
+    Dh = q_THDh.shape[-1]
+    # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
+    length = cache.length + q_THDh.shape[0] + cache.scratch
+    return attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, length, block=attn_block,
+                                   scale=1.0 / float(Dh) ** 0.5, tunings=self.opts.tunings)
+
   def _attend(self, x_TD, q_THDh, pos_T, cache: KVLayer, attn_block, wo):
     """Attention of q [T, H, Dh] over the layer's ring (its new rows already written) and host tier, then the
     output projection."""
     T, H, Dh = q_THDh.shape
     scale = 1.0 / float(Dh) ** 0.5
     tun = self.opts.tunings
-    # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
-    length = cache.length + T + cache.scratch
     if cache.tier is None:
-      o = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, length, block=attn_block, scale=scale, tunings=tun)
+      o = self._ring_attention(q_THDh, pos_T, cache, attn_block)
     else:
       # The ring's part (on the decode kernel where it takes the call, as without a tier) and the tier's, each
       # with its log-sum-exp. Decode and verify (T <= MAX_T): row t sees the ring from lo_t = pos_t + 1 - window
@@ -156,8 +169,8 @@ class Attention(nn.Module):
                                            scale=scale, with_lse=True, lo_T=lo, tunings=tun)
         q_hi = lo - 1
       else:
-        o1, lse1 = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, length, block=attn_block, scale=scale,
-                                           with_lse=True, tunings=tun)
+        o1, lse1 = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, cache.length + T + cache.scratch,
+                                           block=attn_block, scale=scale, with_lse=True, tunings=tun)
         q_hi = jnp.minimum(pos_T, cache.length + T - cache.window - 1)
       o2, lse2 = attn_ops.tier_attention(q_THDh, *cache.tier, q_hi, tier_block=tier_block(cache.window, attn_block),
                                          block=attn_block, scale=scale, tunings=tun)

@@ -1,20 +1,22 @@
-"""Expert-parallel decode under a mesh (model/mesh.py, issue 29) against the one-device run, on the tiny F16 file of
-every architecture we read, with meshes of 2 and 4 CPU devices.
+"""Expert- and head-parallel decode under a mesh (model/mesh.py, issue 29) against the one-device run, on the tiny
+F16 file of every architecture we read, with meshes of 2 and 4 CPU devices.
 
 The runs happen in two child processes side by side (this file is their driver: `python tests/model/test_mesh.py
 OUT.json ARCH,...`) with `--xla_force_host_platform_device_count=4`, set before jax starts: the test session keeps
 its one CPU device. In a child, per architecture, the one-device run (params uncommitted on device 0) is the
-reference, and each mesh (ep=2 on devices 0-1, ep=4 on devices 0-3) runs the same requests:
+reference, and each mesh (ep=2 on devices 0-1, ep=4 on devices 0-3, ep=2,tp=2 on devices 0-3: experts split over ep,
+rings and attention by K/V head over tp) runs the same requests:
 - prefill logits of a 20-token prompt (the grouped expert path), then 9 greedy decode steps (the gather path) and
   their logits;
-- on one of the two meshes (alternating by architecture, `spec_mesh`), speculative greedy generation through
+- on one of the meshes (rotating by architecture, `spec_mesh`), speculative greedy generation through
   decode.speculative (NextN drafts where the file has a NextN block, else replay drafts), and for the first
   architecture the engine's plain loop (decode.engine.generate);
-- on the other, the same prefill and steps on a ring of 512 slots against 256;
+- on the next one (`cap_mesh`), the same prefill and steps on a ring of 512 slots against 256;
 - and for the first architecture its IQ3_S mix (packed experts) under ep=2, restored from an orbax cache entry, and
   the trained default model (NextN drafts really accepted) under ep=2.
-The logits bound: a mesh changes only the float32 order of the sum over a token's top-k expert outputs (per device,
-then the psum across devices), an error of a few ulp of each MoE output. The bound is measured on the one-device run
+The logits bound: a mesh changes only float32 summation orders (the sum over a token's top-k expert outputs per
+device, then the psum across devices; under tp whatever order XLA gives the partitioned program), an error of a few
+ulp of each MoE output. The bound is measured on the one-device run
 itself: its logits' change when every MoE output is scaled by (1 + 2^-22) (about four ulp; the "sensitivity", large
 in the tiny random hybrid models, whose DeltaNet layers amplify it), times 8, plus 1e-6 of the largest logit.
 """
@@ -34,7 +36,7 @@ if __name__ == "__main__":                           # the driver: this checkout
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
 ARCHS = ("glm4moe", "qwen3moe", "qwen2moe", "qwen3next", "qwen35moe")
-MESHES = ("ep=2", "ep=4")
+MESHES = ("ep=2", "ep=4", "ep=2,tp=2")
 N_NEW = 10
 QUANT, QUANT_MESH = "IQ3_S", "ep=2"   # a llama.cpp-quantized mix of the first arch's file, through the orbax cache
 PERTURB = 2.0 ** -22      # relative scaling of each MoE output in the sensitivity run
@@ -42,9 +44,19 @@ FACTOR = 8.0
 
 
 def spec_mesh(arch: str) -> str:
-  """The mesh an architecture's speculative run takes (its capacity check the other): they alternate, so each mesh
-  runs both checks on some architectures and each check runs on both meshes."""
-  return MESHES[ARCHS.index(arch) % 2]
+  """The mesh an architecture's speculative run takes (its capacity check the next one, `cap_mesh`): they rotate,
+  so each mesh runs both checks on some architectures and each check runs on every mesh."""
+  return MESHES[(ARCHS.index(arch) + 2) % len(MESHES)]
+
+
+def cap_mesh(arch: str) -> str:
+  return MESHES[(ARCHS.index(arch) + 3) % len(MESHES)]
+
+
+def mesh_size(text: str) -> tuple[int, int]:
+  """(ep, tp) of a mesh text such as 'ep=2,tp=2'."""
+  kv = dict(p.split("=") for p in text.split(","))
+  return int(kv.get("ep", 1)), int(kv.get("tp", 1))
 
 
 def _drive(out_path: str) -> None:
@@ -56,7 +68,7 @@ def _drive(out_path: str) -> None:
   from decode.speculative import spec_loop, speculative_generate
   from model import api
   from model.loader import load_model
-  from model.mesh import device_bytes, make_mesh, parse_mesh, replicate
+  from model.mesh import device_bytes, make_mesh, parse_mesh, place_state
   from model.options import LayerOps, Options
   from jax.sharding import PartitionSpec as P
   from ops import moe as moe_ops
@@ -66,18 +78,20 @@ def _drive(out_path: str) -> None:
   prompt = [(7 * i + 3) % 1000 + 1 for i in range(20)]
   res = {}
 
-  def chain(m, opts, mesh, cap=256):
+  def chain(m, opts, mesh, cap=256, state=None):
     """Prefill logits of the prompt, then N_NEW - 1 greedy decode steps (the jitted decode_step, called from
-    Python): (logits [T + N_NEW - 1, V], greedy ids [N_NEW])."""
+    Python): (logits [T + N_NEW - 1, V], greedy ids [N_NEW]); with `state` a list, the final state appended."""
     st = api.init_state(m.cfg, cap)
     if mesh is not None:
-      st = replicate(st, mesh)
+      st = place_state(st, mesh)
     lp, _, st = api.prefill(m.params, jnp.asarray(prompt, jnp.int32), st, cfg=m.cfg, options=opts)
     rows, ids = [np.asarray(lp)], [int(jnp.argmax(lp[-1]))]
     while len(ids) < N_NEW:
       ld, _, st = api.decode_step(m.params, jnp.int32(ids[-1]), st, cfg=m.cfg, options=opts)
       rows.append(np.asarray(ld)[None])
       ids.append(int(jnp.argmax(ld)))
+    if state is not None:
+      state.append(st)
     return np.concatenate(rows), ids
 
   archs = sys.argv[2].split(",") if len(sys.argv) > 2 else ARCHS
@@ -95,8 +109,12 @@ def _drive(out_path: str) -> None:
       mesh = make_mesh(parse_mesh(text, 4))
       m = load_model(path, mesh=mesh)
       opts = Options(mesh=mesh)
-      lg, ids = chain(m, opts, mesh)
-      out = r[text] = {"logit_diff": float(np.abs(lg - ref).max()), "ids": ids, "bytes": device_bytes(m.params)}
+      final = []
+      lg, ids = chain(m, opts, mesh, state=final)
+      k0 = final[0].ring.k[0]
+      out = r[text] = {"logit_diff": float(np.abs(lg - ref).max()), "ids": ids, "bytes": device_bytes(m.params),
+                       "ring_heads": [s.data.shape[1] for s in k0.addressable_shards], "kv_heads": m.cfg.n_kv_heads,
+                       "ring_spec": str(k0.sharding.spec)}
       if text == spec_mesh(arch):
         gen = GenConfig(max_new_tokens=N_NEW, stop_at_eos=False, options=opts)
         drafter = "mtp" if m.cfg.n_nextn else "replay"
@@ -109,7 +127,7 @@ def _drive(out_path: str) -> None:
           n0 = decode_loop._cache_size()
           out["generate"] = generate(m, prompt, gen).ids
           out["loop_compiles"] = decode_loop._cache_size() - n0
-      else:
+      elif text == cap_mesh(arch):
         lg2, ids2 = chain(m, opts, mesh, cap=512)
         out.update(cap_bitwise=bool((lg2 == lg).all()), cap_ids=ids2)
     if arch == ARCHS[0]:                             # packed experts (QTensor planes) restored from an orbax entry
@@ -259,8 +277,7 @@ def test_engine_generate_under_the_mesh_equals_one_device(mesh_runs):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_capacity_invariance_under_the_mesh(mesh_runs, arch):
   """Rings of 256 and 512 slots under the mesh: bitwise equal logits, the same greedy tokens (DESIGN invariant 1)."""
-  other = MESHES[1 - MESHES.index(spec_mesh(arch))]
-  r = mesh_runs[arch][other]
+  r = mesh_runs[arch][cap_mesh(arch)]
   assert r["cap_bitwise"] and r["cap_ids"] == r["ids"]
 
 
@@ -270,19 +287,33 @@ def test_each_device_holds_its_share_of_the_experts(mesh_runs, arch, mesh):
   """Every device holds the replicated params plus 1/ep of the routed experts: the same bytes on each, and
   ep x (device bytes) - (ep - 1) x (one device's bytes) = the routed experts' share that is split."""
   r = mesh_runs[arch]
-  ep = int(mesh.split("=")[1])
+  ep, tp = mesh_size(mesh)
   per = list(r[mesh]["bytes"].values())
-  assert len(per) == ep and len(set(per)) == 1
+  assert len(per) == ep * tp and len(set(per)) == 1
   experts = (r["one_bytes"] - per[0]) * ep // (ep - 1)     # E x slab bytes, from the two measurements
   assert 0 < experts < r["one_bytes"] and r["one_bytes"] - experts + experts // ep == per[0]
 
+
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_rings_split_by_kv_head_over_tp(mesh_runs, arch, mesh):
+  """With tp > 1 each device holds Hkv / tp of the ring's K/V heads (model.mesh.place_state; the attention layers
+  write and attend them head parallel, and the logits and tokens above are one device's); with tp = 1 every
+  device holds them all."""
+  r = mesh_runs[arch][mesh]
+  ep, tp = mesh_size(mesh)
+  assert len(r["ring_heads"]) == ep * tp
+  assert set(r["ring_heads"]) == {r["kv_heads"] // tp}
+  assert ("tp" in r["ring_spec"]) == (tp > 1)
 
 
 # ------------------------------------------------------------------------------------ flags, plan (no child runs)
 
 @pytest.mark.parametrize("text,n,want", [
     ("ep=3", 2, "'ep=3': ep x tp = 3 devices, expected at most the 2 devices there are"),
-    ("ep=2,tp=2", 4, "'ep=2,tp=2': tp=2, tensor parallelism is not implemented yet, expected tp=1"),
+    ("ep=2,tp=2", 2, "'ep=2,tp=2': ep x tp = 4 devices, expected at most the 2 devices there are"),
     ("dp=2", 4, "'dp=2': unknown axis 'dp', expected axes ep and tp"),
     ("ep=2,ep=2", 4, "'ep=2,ep=2': axis ep given twice, expected each axis at most once"),
     ("ep=0", 4, "'ep=0': ep=0, expected a positive size"),
@@ -295,13 +326,27 @@ def test_parse_mesh_refuses_bad_input_in_one_line(text, n, want):
   assert str(e.value).startswith(want) and "\n" not in str(e.value)
 
 
-def test_parse_mesh_accepts_ep_and_tp_1():
+def test_parse_mesh_accepts_ep_and_tp():
   from model.mesh import MeshSpec, check_experts, make_mesh, parse_mesh, MeshError
   assert parse_mesh("ep=4,tp=1", 4) == MeshSpec(4, 1) and parse_mesh(None, 1) == MeshSpec()
+  assert parse_mesh("tp=2", 2) == MeshSpec(1, 2) and parse_mesh("ep=2,tp=2", 4) == MeshSpec(2, 2)
   assert make_mesh(MeshSpec()) is None                         # one device: the one-device path
   check_experts(MeshSpec(4), 8)
   with pytest.raises(MeshError, match="the model has 6 routed experts, expected a number divisible by ep"):
     check_experts(MeshSpec(4), 6)
+
+
+def test_plan_splits_the_rings_over_tp():
+  """Under a mesh whose tp divides the K/V heads (model.mesh.heads_split) each device holds 1/tp of the main and
+  drafter rings: the plan's per-device ring items are the one-device ones over tp."""
+  from configs.presets import TINY_GLM4MOE as cfg
+  from decode.kv_plan import make_plan
+  assert cfg.n_nextn and cfg.n_kv_heads % 2 == 0
+  kw = dict(weight_bytes=1 << 20, ring=4096, kv="int8", mtp_window=256, k=3, devices={"d0": 1 << 20, "d1": 1 << 20})
+  one, two = make_plan(cfg, **kw), make_plan(cfg, **kw, kv_shards=2)
+  assert two.get("main ring") * 2 == one.get("main ring") > 0
+  assert two.get("drafter ring") * 2 == one.get("drafter ring") > 0
+  assert one.device_bytes - two.device_bytes == (one.get("main ring") + one.get("drafter ring")) // 2
 
 
 def test_plan_has_a_row_per_device_and_names_the_device_over_budget():
@@ -331,7 +376,8 @@ CLI_CASES = {   # --mesh flags -> the stderr line decode.generate (bench.cells: 
                 "divisible by ep"),
     "plan": (["--mesh", "ep=4", "--device_budget", "8MiB"], "error: memory plan: 0.01 GiB on device cpu:0 exceeds the "
              "budget 0.01 GiB"),
-    "bench": (["--mesh", "tp=2"], "error: --mesh: 'tp=2': tp=2, tensor parallelism is not implemented yet"),
+    "bench": (["--mesh", "tp=8"], "error: --mesh: 'tp=8': ep x tp = 8 devices, expected at most the 4 devices "
+              "there are"),
     "tier": (["--mesh", "ep=2", "--kv_resident", "1024", "--max_context", "4096"], "error: --max_context: 4096, "
              "expected at most --kv_resident 1024 less 8 scratch slots under --mesh (a host tier under a mesh"),
 }
@@ -339,7 +385,8 @@ CLI_CASES = {   # --mesh flags -> the stderr line decode.generate (bench.cells: 
 
 def test_bad_mesh_through_the_cli_is_one_line_exit_1(tmp_path):
   """decode.generate on the default model (16 experts): a mesh over more devices than there are, an ep that does not
-  divide the experts, a plan over a device's budget, a host tier (not yet under a mesh); bench.cells: a tp mesh.
+  divide the experts, a plan over a device's budget, a host tier (not yet under a mesh); bench.cells: a tp over
+  more devices than there are.
   Each one line on stderr, exit 1, no token printed."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   gen = ["-m", "decode.generate", "--prompt", "Hi", "--max_new_tokens", "2"]
