@@ -65,7 +65,7 @@ flags.DEFINE_string("attn_kernel", None, "decode attention kernel tuning dots[:b
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
                          "expected dots[:bk:warps:stages] with dots tf32x3 or bf16x2")
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: engine.prefill_chunk's: 1,024 on "
-                     "a GPU, 8 with expert slots, 2,048 on CPU)")
+                     "a GPU, the remainder 8 a call, 2,048 on CPU)")
 flags.DEFINE_enum("prefill_precision", "auto", ["auto", "f32", "bf16"],
                   "the prefill GEMMs' operands (Options.prefill_precision): f32 (three bf16 MMAs, float32-accurate), "
                   "bf16 (one MMA, ~2e-3 per dot, finer than llama.cpp's 8-bit x), auto: bf16 on a GPU, f32 elsewhere")

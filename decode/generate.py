@@ -40,7 +40,7 @@ flags.DEFINE_integer("mtp_window", 4096, "the NextN drafter ring's sliding windo
 flags.DEFINE_enum("draft", "auto", ["auto", "mtp", "lookup", "replay", "none"],
                   "drafter: auto = mtp when --mtp on and the model has NextN, else none; replay proposes the plain "
                   "greedy continuation (run first, untimed) to measure the mechanics at 100 % acceptance")
-flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: 1,024 on a GPU, 8 with expert slots, 2,048 on CPU)")
+flags.DEFINE_integer("prefill_chunk", None, "prompt tokens per prefill call (default: 1,024 on a GPU, the remainder 8 a call; 2,048 on CPU)")
 flags.DEFINE_enum("prefill_precision", "auto", ["auto", "f32", "bf16"],
                   "the prefill GEMMs' operands: f32 (float32-accurate), bf16 (one MMA, ~2e-3 per dot; finer than "
                   "llama.cpp's 8-bit x), auto: bf16 on a GPU, f32 elsewhere (ops.qgemm_pallas.GEMM_FORMS)")
