@@ -265,9 +265,8 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   from model import expert_cache as xc
   slab = max(xc.slab_bytes(model.params, model.cfg).values())
   n_experts_total = len(xc.expert_blocks(model.cfg)) * model.cfg.n_experts
-  cached = base
   if expert_cache == "auto":
-    probe = make_plan(model.cfg, **cached, expert_cache_bytes=0)
+    probe = make_plan(model.cfg, **base, expert_cache_bytes=0)
     if budget is None:
       return make_plan(model.cfg, **base).check(), None      # no budget known (CPU): everything resident
     if make_plan(model.cfg, **base, expert_cache_bytes=0).free // slab >= n_experts_total:   # every expert fits:
@@ -280,5 +279,5 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
       raise PlanError(f"memory plan: {slots} expert slots < top_k {model.cfg.top_k} (a token's experts must all be "
                       f"resident)")
     raise PlanError(f"memory plan: {slots} expert slots < top_k {model.cfg.top_k} (budget {budget / GiB:.2f} GiB "
-                    f"leaves {max(0, budget - make_plan(model.cfg, **cached, expert_cache_bytes=0).device_bytes) / GiB:.2f} GiB for experts)")
-  return make_plan(model.cfg, **cached, expert_cache_bytes=slots * slab).check(), slots
+                    f"leaves {max(0, budget - make_plan(model.cfg, **base, expert_cache_bytes=0).device_bytes) / GiB:.2f} GiB for experts)")
+  return make_plan(model.cfg, **base, expert_cache_bytes=slots * slab).check(), slots

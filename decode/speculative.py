@@ -313,11 +313,10 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
                          prefill_cache=prefill_cache)
   s, replay, params, kwargs, eos, prompt, st = sp.s, sp.replay, sp.params, sp.kwargs, sp.eos, sp.prompt, sp.st
   T, n, tok = len(prompt), gen.max_new_tokens, model.tokenizer
-  k_ = kwargs["k"]
 
   def held_out(s):
     """(s with its host tier held out, the tier) while a round's positions P .. P + k stay inside the window."""
-    model, held = api.split_idle_tier(s.model, int(s.model.ring.length) + k_)
+    model, held = api.split_idle_tier(s.model, int(s.model.ring.length) + k)
     return s.replace(model=model), held
 
   def rejoin(s, held):
@@ -333,12 +332,12 @@ def speculative_generate(model, prompt_ids, gen: GenConfig | None = None, *, dra
     def segment(s, max_new):
       """Rounds inside the window with the tier held out (the ring-only program), else rounds with the tier."""
       s, held = held_out(s)
-      until = jnp.int32(s.model.ring.window if held is not None else np.iinfo(np.int32).max - k_)
+      until = jnp.int32(s.model.ring.window if held is not None else np.iinfo(np.int32).max - k)
       return rejoin(spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(max_new), until, **kwargs), held)
 
     s = segment(s, 0)                                                             # compile (no round runs)
     m = s.model
-    if m.host is not None and int(m.ring.length) + k_ < m.ring.window <= int(m.ring.length) + n + k_:
+    if m.host is not None and int(m.ring.length) + k < m.ring.window <= int(m.ring.length) + n + k:
       s = spec_loop(params, s, replay, jnp.int32(eos), jnp.int32(0), jnp.int32(0), **kwargs)   # the tier's form too
     jax.block_until_ready(s)
     t1 = time.perf_counter()
