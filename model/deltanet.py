@@ -10,7 +10,9 @@ The maths and their llama.cpp sources: ops/gated_delta.py. A pass of T <= ops.ga
 steps; longer passes (prefill) the conv over the chunk and the chunked delta rule. Both run the Pallas kernels
 when the layer's weights run them ("pallas" | "interpret"), else the jnp references; in decode and verify passes
 the gated output norm runs the RMSNorm kernel too (one program per token and head: batch-invariant). The block takes its layer's
-`RecurrentLayer` (None: a zero state, training) and returns it; with `keep` the per-token states too.
+`RecurrentLayer` (None: a zero state, training) and returns it; with `keep` the per-token states too. Under a mesh
+whose tp divides the heads (model.mesh.delta_heads) the recurrence runs head parallel (model.mesh.delta_parallel),
+each device its value heads' rows of the state; the projections, the conv window and the norm stay replicated.
 
 Params (model/gguf_io.py tensor_map): wqkv [Cc, D], wz [Hv Dv, D], wbeta / walpha [Hv, D], conv [Cc, Kc],
 dt_bias [Hv], a [Hv], norm [Dv], wo [D, Hv Dv]; after model.api.fuse_qkv (at load, where the four input
@@ -18,12 +20,15 @@ projections share a type) `win` [Cc + Hv Dv + 2 Hv, D] in their place: one matmu
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from model.common import _init, _ones, _op, _param, _zeros, kernel_mode
 from model.config import ModelConfig
+from model.mesh import delta_heads, delta_parallel
 from model.options import DEFAULT, Options
 from model.recurrent import RecurrentLayer
 from ops import gated_delta as gd
@@ -66,9 +71,14 @@ class GatedDeltaNet(nn.Module):
       cache = RecurrentLayer(jnp.zeros((Cc, Kc - 1), jnp.float32), jnp.zeros((Hv, Dk, Dv), jnp.float32))
     head_map = "tile" if c.gdn_heads_tiled else "interleave"
     impl = kernel_mode(wqkv)
+    step = functools.partial(gd.gated_delta_step, eps=c.rms_eps, head_map=head_map, keep_states=keep, impl=impl)
+    chunked = functools.partial(gd.gated_delta_chunked, chunk=CHUNK, head_map=head_map, impl=impl)
+    mesh = self.opts.mesh
+    if delta_heads(mesh, Hk, Hv, c.gdn_heads_tiled):       # head parallel over tp: each device its value heads
+      par_step, par_chunked = delta_parallel(mesh, Hk, Hv, Dk, Dv, c.gdn_heads_tiled)
+      step, chunked = functools.partial(par_step(step), keep=keep), par_chunked(chunked)
     if T <= STEP_MAX_T:
-      out = gd.gated_delta_step(qkv_TCc, cache.conv, conv_CcKc, g_THv, beta_THv, cache.delta, eps=c.rms_eps,
-                                head_map=head_map, keep_states=keep, impl=impl)
+      out = step(qkv_TCc, cache.conv, conv_CcKc, g_THv, beta_THv, cache.delta)
       o_THvDv, conv, delta = out[:3]
       cache = RecurrentLayer(conv, delta, *(out[3:] if keep else ()))
     else:
@@ -76,8 +86,7 @@ class GatedDeltaNet(nn.Module):
         raise ValueError(f"GatedDeltaNet: per-token states are kept for passes of at most {STEP_MAX_T} tokens, got {T}")
       y_TCc, conv = gd.causal_conv1d(qkv_TCc, cache.conv, conv_CcKc)
       q, k, v = gd.split_qkv(y_TCc, Hk, Dk, Hv, Dv, c.rms_eps)
-      o_THvDv, delta = gd.gated_delta_chunked(q, k, v, g_THv, beta_THv, cache.delta, chunk=CHUNK, head_map=head_map,
-                                              impl=impl)
+      o_THvDv, delta = chunked(q, k, v, g_THv, beta_THv, cache.delta)
       cache = RecurrentLayer(conv, delta)
     norm = _param(self, "norm", _ones, (Dv,))
     if impl != "ref" and self.opts.glue and T <= STEP_MAX_T and Dv & (Dv - 1) == 0:

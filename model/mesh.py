@@ -10,7 +10,10 @@
   attention layer's ring write and attention run head-parallel (`head_parallel`: a shard_map over "tp" in which a
   device writes and attends its Hkv / tp heads and their H / tp query heads, then an all_gather of the heads'
   outputs over "tp"); where they do not divide, rings and attention stay replicated;
-- every other param and the rest of the state (recurrent state, expert-free projections) is replicated on every
+- with tp > 1, a hybrid model's Gated DeltaNet states [Hv, Dk, Dv] are split by value head over "tp" where the
+  heads allow it (`delta_heads`), and each DeltaNet layer's recurrence runs head parallel (`delta_parallel`: a
+  device runs its value heads and the key heads they read, then an all_gather of the heads' outputs);
+- every other param and the rest of the state (conv windows, expert-free projections) is replicated on every
   device (a host tier, which lives in the first device's pinned host memory, is refused under a mesh by the CLIs).
 `placer(mesh)` is a `load_params` hook that puts each param there as soon as it is built, one tensor at a time, so
 no device ever holds more than one tensor beyond its share; `shard_params` does the same for params already built
@@ -41,6 +44,7 @@ model.mesh.MeshError: 'ep=3': ep x tp = 3 devices, expected at most the 2 device
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -183,12 +187,31 @@ def heads_split(mesh, n_kv_heads: int) -> bool:
   return tp > 1 and n_kv_heads % tp == 0
 
 
-def place_state(tree, mesh: jax.sharding.Mesh):
+def delta_heads(mesh, Hk: int, Hv: int, tiled: bool) -> tuple[int, int] | None:
+  """(value heads, key heads) of one device when a Gated DeltaNet layer runs head parallel on `mesh`, else None.
+
+  A device takes Hv / tp contiguous value heads (its rows of the [Hv, Dk, Dv] state) and the contiguous key
+  heads they read: Hk / tp of them where value head h reads key head h // (Hv / Hk) (qwen3next; tp must divide
+  Hk), min(Hk, Hv / tp) where it reads h % Hk (qwen35moe; one of Hk and Hv / tp must divide the other)."""
+  tp = tp_of(mesh)
+  if tp == 1 or Hv % tp:
+    return None
+  hv = Hv // tp
+  if not tiled:
+    return (hv, Hk // tp) if Hk % tp == 0 else None
+  hk = min(Hk, hv)
+  return (hv, hk) if max(Hk, hv) % hk == 0 else None
+
+
+def place_state(tree, mesh: jax.sharding.Mesh, cfg=None):
   """`tree` (a request's state, or a loop state holding it) with every uncommitted array placed on `mesh`: each
-  KVRing's per-layer codes and scales split by K/V head over "tp" where the heads divide, everything else
-  replicated. Committed arrays stay where they are."""
+  KVRing's per-layer codes and scales split by K/V head over "tp" where the heads divide; given the model's `cfg`,
+  each RecurrentState's delta-rule states [Hv, Dk, Dv] split by value head where its DeltaNet layers run head
+  parallel (`delta_heads`); everything else replicated (the conv windows too: the q | k | v channels of a device's
+  heads are not one slice of them). Committed arrays stay where they are."""
   from model.kv_ring import KVRing
-  rep, heads = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "tp"))
+  from model.recurrent import RecurrentState
+  rep, heads, lead = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "tp")), NamedSharding(mesh, P("tp"))
 
   def put(x, sh):
     return jax.device_put(x, sh) if isinstance(x, jax.Array) and not x.committed else x
@@ -198,8 +221,11 @@ def place_state(tree, mesh: jax.sharding.Mesh):
       per_layer = lambda t: None if t is None else tuple(put(a, heads) for a in t)  # noqa: E731
       return x.replace(k=per_layer(x.k), v=per_layer(x.v), k_scale=per_layer(x.k_scale),
                        v_scale=per_layer(x.v_scale), length=put(x.length, rep))
+    if isinstance(x, RecurrentState) and x.delta and cfg is not None:
+      if delta_heads(mesh, cfg.Hk, cfg.Hv, cfg.gdn_heads_tiled):
+        return x.replace(conv=tuple(put(a, rep) for a in x.conv), delta=tuple(put(a, lead) for a in x.delta))
     return jax.tree.map(lambda a: put(a, rep), x)
-  return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, KVRing))
+  return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, (KVRing, RecurrentState)))
 
 
 def head_parallel(write_attend, mesh: jax.sharding.Mesh):
@@ -220,6 +246,63 @@ def head_parallel(write_attend, mesh: jax.sharding.Mesh):
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, specs, rep, rep), out_specs=(specs, rep),
                          check_vma=False)(q, k, v, arrays, pos, length)
   return run
+
+
+def _key_start(i, hv: int, Hk: int, Hv: int, tiled: bool):
+  """The first key head of device i's value heads [i hv, (i + 1) hv)."""
+  return (i * hv) % Hk if tiled else i * hv // (Hv // Hk)
+
+
+def delta_parallel(mesh: jax.sharding.Mesh, Hk: int, Hv: int, Dk: int, Dv: int, tiled: bool):
+  """(step, chunked): wrappers that run a Gated DeltaNet layer's recurrence head parallel over "tp" (`delta_heads`
+  must allow it). In a shard_map each device takes its Hv / tp value heads (its shard of the [Hv, Dk, Dv] state,
+  of g and beta) and the key heads they read, runs the one-device function on them (the value -> key head map
+  restricted to a device's heads is the same map on fewer heads), and the heads' outputs are all-gathered over
+  "tp". Each head's sums are the one-device program's.
+
+  step(fn)(qkv_TCc, win_CcKw, w_CcKc, g_THv, beta_THv, state, keep) for ops.gated_delta.gated_delta_step's form:
+  the conv rows of a device's heads (its q, k and v channels) are sliced from the replicated projection, window
+  and weights, and the windows after come back whole (replicated), gathered and put back in q | k | v order.
+  chunked(fn)(q_THkDk, k_THkDk, v_THvDv, g_THv, beta_THv, state) for gated_delta_chunked's form."""
+  hv, hk = delta_heads(mesh, Hk, Hv, tiled)
+  n_key = Hk // hk                       # devices 0 .. n_key - 1 hold every key head once, in order
+  rep, heads, lead = P(), P(None, "tp"), P("tp")
+
+  def chans(x, i, axis):
+    a, sl = _key_start(i, hv, Hk, Hv, tiled) * Dk, functools.partial(jax.lax.dynamic_slice_in_dim, x, axis=axis)
+    return jnp.concatenate([sl(a, hk * Dk), sl(Hk * Dk + a, hk * Dk), sl(2 * Hk * Dk + i * hv * Dv, hv * Dv)], axis)
+
+  def unchans(x, axis):                  # the gathered windows [tp, ..., Cc / tp, ...] -> [..., Cc, ...]
+    part = lambda d, a, n: jax.lax.slice_in_dim(x[d], a, a + n, axis=axis)  # noqa: E731
+    q = [part(d, 0, hk * Dk) for d in range(n_key)]
+    k = [part(d, hk * Dk, hk * Dk) for d in range(n_key)]
+    v = [part(d, 2 * hk * Dk, hv * Dv) for d in range(x.shape[0])]
+    return jnp.concatenate(q + k + v, axis)
+
+  def step(fn):
+    def run(qkv, win, w, g, beta, state, keep):
+      def local(qkv, win, w, g, beta, state):
+        i = jax.lax.axis_index("tp")
+        out = fn(chans(qkv, i, 1), chans(win, i, 0), chans(w, i, 0), g, beta, state)
+        o, win_, st = out[:3]
+        res = (jax.lax.all_gather(o, "tp", axis=1, tiled=True), unchans(jax.lax.all_gather(win_, "tp"), 0), st)
+        return res + ((unchans(jax.lax.all_gather(out[3], "tp"), 1), out[4]) if keep else ())
+      outs = (rep, rep, lead) + ((rep, heads) if keep else ())
+      return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, heads, heads, lead), out_specs=outs,
+                           check_vma=False)(qkv, win, w, g, beta, state)
+    return run
+
+  def chunked(fn):
+    def run(q, k, v, g, beta, state):
+      def local(q, k, v, g, beta, state):
+        a = _key_start(jax.lax.axis_index("tp"), hv, Hk, Hv, tiled)
+        q, k = (jax.lax.dynamic_slice_in_dim(t, a, hk, axis=1) for t in (q, k))
+        o, st = fn(q, k, v, g, beta, state)
+        return jax.lax.all_gather(o, "tp", axis=1, tiled=True), st
+      return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, heads, heads, heads, lead), out_specs=(rep, lead),
+                           check_vma=False)(q, k, v, g, beta, state)
+    return run
+  return step, chunked
 
 
 def expert_parallel(moe, mesh: jax.sharding.Mesh, n_experts: int):

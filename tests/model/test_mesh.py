@@ -22,6 +22,7 @@ in the tiny random hybrid models, whose DeltaNet layers amplify it), times 8, pl
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -83,7 +84,7 @@ def _drive(out_path: str) -> None:
     Python): (logits [T + N_NEW - 1, V], greedy ids [N_NEW]); with `state` a list, the final state appended."""
     st = api.init_state(m.cfg, cap)
     if mesh is not None:
-      st = place_state(st, mesh)
+      st = place_state(st, mesh, m.cfg)
     lp, _, st = api.prefill(m.params, jnp.asarray(prompt, jnp.int32), st, cfg=m.cfg, options=opts)
     rows, ids = [np.asarray(lp)], [int(jnp.argmax(lp[-1]))]
     while len(ids) < N_NEW:
@@ -115,6 +116,10 @@ def _drive(out_path: str) -> None:
       out = r[text] = {"logit_diff": float(np.abs(lg - ref).max()), "ids": ids, "bytes": device_bytes(m.params),
                        "ring_heads": [s.data.shape[1] for s in k0.addressable_shards], "kv_heads": m.cfg.n_kv_heads,
                        "ring_spec": str(k0.sharding.spec)}
+      if m.cfg.recurrent_layers:                     # the DeltaNet states after the chain: split by value head?
+        d0 = final[0].recurrent.delta[0]
+        out.update(delta_heads=[s.data.shape[0] for s in d0.addressable_shards], v_heads=m.cfg.Hv,
+                   delta_spec=str(d0.sharding.spec))
       if text == spec_mesh(arch):
         gen = GenConfig(max_new_tokens=N_NEW, stop_at_eos=False, options=opts)
         drafter = "mtp" if m.cfg.n_nextn else "replay"
@@ -171,6 +176,35 @@ def _drive(out_path: str) -> None:
       y = np.asarray(jax.jit(expert_parallel(moe_ops.moe, mesh, E))(x, ids, w, *sh.values()))
       out[text] = float(np.abs(y - one).max() / np.abs(one).max())
     res["kernels"] = out
+    from model.mesh import delta_heads, delta_parallel   # the DeltaNet recurrence head parallel, kernels and refs
+    from ops import gated_delta as gd
+    Dk = Dv = 16
+    dl = {}
+    for Hk, Hv, tiled, text in ((2, 4, False, "ep=2,tp=2"), (2, 8, True, "ep=2,tp=2"), (4, 8, False, "tp=4"),
+                                (2, 4, True, "tp=4")):
+      mesh = make_mesh(parse_mesh(text, 4))
+      assert delta_heads(mesh, Hk, Hv, tiled)
+      Cc, hm = 2 * Hk * Dk + Hv * Dv, "tile" if tiled else "interleave"
+      f = lambda *a: jnp.asarray(rng.standard_normal(a).astype(np.float32))  # noqa: E731
+      st0, win, wc = f(Hv, Dk, Dv), f(Cc, 3), f(Cc, 4)
+      step, chunked = delta_parallel(mesh, Hk, Hv, Dk, Dv, tiled)
+      for impl in ("ref", "interpret"):
+        for T in (1, 4, 40):
+          g, beta = -jnp.abs(f(T, Hv)), jax.nn.sigmoid(f(T, Hv))
+          if T <= 4:                                 # decode / verify form (keep: the per-token states too)
+            fn = functools.partial(gd.gated_delta_step, eps=1e-6, head_map=hm, keep_states=True, impl=impl)
+            args = (f(T, Cc), win, wc, g, beta, st0)
+            par = jax.jit(lambda *a: step(fn)(*a, keep=True))(*args)
+          else:                                      # prefill form
+            q, k, v = gd.split_qkv(f(T, Cc), Hk, Dk, Hv, Dv, 1e-6)
+            fn = functools.partial(gd.gated_delta_chunked, chunk=16, head_map=hm, impl=impl)
+            args = (q, k, v, g, beta, st0)
+            par = jax.jit(chunked(fn))(*args)
+          one = fn(*args)
+          dl[f"{Hk},{Hv},{hm},{text},{impl},{T}"] = [
+              (float(np.abs(np.asarray(a) - np.asarray(b)).max()), float(np.abs(np.asarray(a)).max()))
+              for a, b in zip(one, par)]
+    res["delta"] = dl
     from configs.presets import TINY_QWEN3MOE
     from model.mesh import placer
     from model.writer import random_params
@@ -307,6 +341,35 @@ def test_rings_split_by_kv_head_over_tp(mesh_runs, arch, mesh):
   assert len(r["ring_heads"]) == ep * tp
   assert set(r["ring_heads"]) == {r["kv_heads"] // tp}
   assert ("tp" in r["ring_spec"]) == (tp > 1)
+
+
+@pytest.mark.parametrize("arch", ("qwen3next", "qwen35moe"))
+@pytest.mark.parametrize("mesh", MESHES)
+def test_recurrent_states_split_by_value_head_over_tp(mesh_runs, arch, mesh):
+  """With tp > 1 each device holds Hv / tp of a DeltaNet layer's value heads' [Dk, Dv] states (place_state; the
+  recurrence runs head parallel, delta_parallel, and the logits, tokens and speculative runs above are one
+  device's), interleaved (qwen3next) and tiled (qwen35moe) key-head maps alike; with tp = 1 every device holds
+  them all."""
+  r = mesh_runs[arch][mesh]
+  ep, tp = mesh_size(mesh)
+  assert len(r["delta_heads"]) == ep * tp
+  assert set(r["delta_heads"]) == {r["v_heads"] // tp}
+  assert ("tp" in r["delta_spec"]) == (tp > 1)
+
+
+def test_head_parallel_recurrence_is_bitwise_one_device(mesh_runs):
+  """model.mesh.delta_parallel against the one-device function, on both key-head maps, tp = 2 and 4 (one key head
+  shared by devices, or one device's value heads reading every key head), the decode / verify form with its
+  per-token states (kernel in interpret mode and reference) and the prefill (chunked) form: every output bitwise
+  equal, the conv windows after put back in q | k | v order included. One exception, the step kernel where a
+  device's heads pair one value head with each key head while the model pairs two (tile map, Hv / tp < Hv / Hk):
+  its program then sums a different group of heads, within a few float32 ulp."""
+  d = mesh_runs["delta"]
+  assert len(d) == 4 * 2 * 3 and all(len(v) in (2, 5) for v in d.values())
+  regrouped = {"2,4,tile,tp=4,interpret,1", "2,4,tile,tp=4,interpret,4"}
+  for case, outs in d.items():
+    bound = 0.0 if case not in regrouped else 4 * 2.0 ** -23
+    assert all(diff <= bound * scale for diff, scale in outs), (case, outs)
 
 
 # ------------------------------------------------------------------------------------ flags, plan (no child runs)
