@@ -145,7 +145,7 @@ def commit_for_store(tree, params, cfg: ModelConfig):
   from model.mesh import mesh_of, place_state
   mesh = mesh_of(params)
   if mesh is not None:
-    return place_state(tree, mesh)
+    return place_state(tree, mesh, cfg)
   held = any(isinstance(x, jax.Array) and x.committed for x in jax.tree.leaves(tree))
   if not held and all(k == "device" for ks in xc.store_kinds(params, cfg).values() for k in ks):
     return tree
@@ -154,18 +154,30 @@ def commit_for_store(tree, params, cfg: ModelConfig):
 
 
 def init_state(model, cap: int, gen: GenConfig, mtp_window: int | None = None, scratch: int = 0,
-               host: int | None = None, params: dict | None = None) -> ModelState:
-  """The request's state: rings, a host tier of `host` positions when given, and, with gen.expert_slots, an
-  empty expert cache over the store of `params` (default model.params)."""
+               host: int | None = None, params: dict | None = None, experts: bool = True) -> ModelState:
+  """The request's state: rings, a host tier of `host` positions when given, and, with gen.expert_slots (and
+  `experts`), an empty expert cache over the store of `params` (default model.params)."""
   state = model_state.init_state(model.cfg, cap, gen.kv, mtp_window=mtp_window, scratch=scratch)
   if host:
     from model.host_tier import HostTier, place_on_host
     state = state.replace(host=place_on_host(HostTier.like(state.ring, host)))
-  if gen.expert_slots:
-    from model import expert_cache
-    params = model.params if params is None else params
-    state = state.replace(experts=expert_cache.create(params, model.cfg, gen.expert_slots, gen.expert_policy))
+  if gen.expert_slots and experts:
+    state = with_expert_cache(model, state, gen, params)
   return state
+
+
+def with_expert_cache(model, state: ModelState, gen: GenConfig, params: dict | None = None) -> ModelState:
+  """`state` with an empty expert cache of gen.expert_slots slots over the store of `params` (default
+  model.params)."""
+  from model import expert_cache
+  params = model.params if params is None else params
+  return state.replace(experts=expert_cache.create(params, model.cfg, gen.expert_slots, gen.expert_policy))
+
+
+def streams_experts(cfg: ModelConfig, chunk: int) -> bool:
+  """Whether a prefill chunk of `chunk` tokens routes more (token, expert) pairs than a block has experts, so that
+  with expert slots it runs MoE's direct path, streaming each block's experts from the store (and not the slots)."""
+  return bool(cfg.n_experts) and chunk * cfg.top_k > cfg.n_experts
 
 
 PREFILL_CHUNK = 2048          # tokens per prefill call on CPU (GenConfig.prefill_chunk None)
@@ -179,8 +191,8 @@ def prefill_chunk(gen: GenConfig) -> int:
   On a GPU: GEMM_PREFILL_CHUNK, so full chunks of the prompt run the tensor-core GEMMs (ops/qgemm_pallas,
   ops/moe_grouped_pallas). With expert slots too: a chunk routing more (token, expert) pairs than a block has
   experts streams each MoE block's experts from the store once (model.transformer.MoE's direct path; the plan
-  reserves the block, decode.kv_plan "streamed experts"), where 8-token chunks through the slots loaded every
-  chunk's misses (206 GB moved for a 1K prompt on seed-mtp, 6.5x the store: docs/PERF.md "Replay rounds against
+  runs such chunks before the slots exist: `start_request`, decode.kv_plan "streamed experts"), where 8-token chunks
+  through the slots loaded every chunk's misses (206 GB moved for a 1K prompt on seed-mtp, 6.5x the store: docs/PERF.md "Replay rounds against
   the faster step"). The remainder after the full chunks runs 8 tokens a call (`prefill_tail`). On CPU:
   PREFILL_CHUNK (one big call is fastest)."""
   if gen.prefill_chunk is not None:
@@ -293,8 +305,11 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
     key = (id(params), model.cfg, gen.options, tuple(prompt), cap, slack, host, gen.kv, chunk)
     hit = prefill_cache.get(key)                 # an entry keeps its params alive, so their id stays theirs
   # on a hit the tier comes from the entry: allocate none (a 139K tier is 6.9 GB of pinned memory, ~4 s on the H200)
+  # full chunks that stream every block's experts run before the slots exist (they never read them), so the plan
+  # counts the streamed blocks and the slots once, the larger of the two (decode.kv_plan phase "prefill")
+  n_streamed = len(prompt) // chunk * chunk if gen.expert_slots and streams_experts(model.cfg, chunk) else 0
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=None if hit else host,
-                     params=params)
+                     params=params, experts=not n_streamed)
   if hit is not None:
     ring, tier, rec, logits, hidden = _fresh(hit[0])
     state = commit_for_store(state.replace(ring=ring, host=tier, recurrent=rec), params, model.cfg)
@@ -302,7 +317,14 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
     return Started(state, logits, hidden, cap, grow=not fixed, reused_s=hit[1], setup_s=time.perf_counter() - t_in)
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
   t0 = time.perf_counter()
-  logits, hidden, state = prefill_chunked(params, prompt, state, model.cfg, chunk, prefill_tail(chunk), gen.options)
+  if n_streamed:
+    logits, hidden, state = prefill_chunked(params, prompt[:n_streamed], state, model.cfg, chunk,
+                                            options=gen.options)
+    state = commit_for_store(with_expert_cache(model, state, gen, params), params, model.cfg)
+  if n_streamed < len(prompt):
+    logits, h, state = prefill_chunked(params, prompt[n_streamed:], state, model.cfg, chunk, prefill_tail(chunk),
+                                       gen.options)
+    hidden = jnp.concatenate([hidden, h]) if n_streamed else h
   jax.block_until_ready(logits)                            # the caller waits for the first token right after
   prefill_s = time.perf_counter() - t0
   if key is not None:

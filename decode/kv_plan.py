@@ -3,8 +3,10 @@
 Items (device unless noted): weights, expert cache slots, main ring (mode 0; a hybrid model's attention layers
 only), the recurrent state of a hybrid model's DeltaNet layers and, with k drafts, the k + 1 per-token states a
 verify pass keeps for its rollback, host tier (mode 1, pinned host memory), drafter ring (mode 2, sized from
---mtp_window), workspace; free = budget - device items. A plan over the budget is refused with a one-line error
-naming the largest items. Under a mesh (model.mesh) the plan has a row per device (its share of the params, the
+--mtp_window), workspace; with expert slots and prefill chunks that stream each block's experts, "streamed experts"
+(phase "prefill": live before the slots are allocated, so the device holds the larger of the two, not both);
+free = budget - the device at its fullest. A plan over the budget is refused with a one-line error naming the
+largest items. Under a mesh (model.mesh) the plan has a row per device (its share of the params, the
 replicated rest) and is refused naming the first device over the budget.
 
 >>> from configs.presets import QWEN3MOE_30B_A3B as cfg
@@ -65,6 +67,8 @@ class Item:
   bytes: int
   where: str = "device"     # device | host
   mode: int | None = None   # kv_plan mode of a cache item (0 main ring, 1 host tier, 2 drafter ring)
+  phase: str | None = None  # "prefill": live only while the prompt's streamed chunks run, before the expert slots
+                            # exist (decode.engine.start_request allocates them after), so it shares their memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +81,16 @@ class MemoryPlan:
   devices: tuple[tuple[str, int], ...] = ()
 
   @property
+  def steady_bytes(self) -> int:
+    """Bytes on the device once the expert slots exist: every device item but the prefill-phase ones."""
+    return sum(i.bytes for i in self.items if i.where == "device" and i.phase is None)
+
+  @property
   def device_bytes(self) -> int:
-    """Bytes on the device (under a mesh: on the fullest one)."""
-    return sum(i.bytes for i in self.items if i.where == "device")
+    """Bytes on the device at its fullest (under a mesh: on the fullest device): the steady items, plus what the
+    prefill-phase items need beyond the slots they precede."""
+    early = sum(i.bytes for i in self.items if i.where == "device" and i.phase == "prefill")
+    return self.steady_bytes + max(0, early - self.get("expert cache slots"))
 
   def device_totals(self) -> list[tuple[str, int]]:
     """(device, its bytes) per device: one row "device" without a mesh; under one each device's share of the params
@@ -100,7 +111,8 @@ class MemoryPlan:
   def table(self) -> str:
     rows = ["| item | mode | where | GiB |", "| --- | ---: | --- | ---: |"]
     for i in self.items:
-      rows.append(f"| {i.name} | {'' if i.mode is None else i.mode} | {i.where} | {i.bytes / GiB:.3f} |")
+      where = i.where if i.phase is None else f"{i.where} ({i.phase})"
+      rows.append(f"| {i.name} | {'' if i.mode is None else i.mode} | {where} | {i.bytes / GiB:.3f} |")
     if not self.devices:
       rows.append(f"| device total | | device | {self.device_bytes / GiB:.3f} |")
     if self.budget is not None:
@@ -161,9 +173,10 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     items.append(Item("expert store", expert_bytes, "host"))
     if cfg.n_experts and prefill_chunk * cfg.top_k > cfg.n_experts:
       # a prefill chunk of more (token, expert) pairs than experts runs the direct path: each MoE block's experts
-      # move from the store whole (model.transformer.MoE), one block's buffer beside its neighbour's
+      # move from the store whole (model.transformer.MoE), one block's buffer beside its neighbour's; the engine
+      # runs those chunks before it allocates the slots, so the two never share the device
       from model.expert_cache import expert_blocks
-      items.append(Item("streamed experts", 2 * -(-expert_bytes // len(expert_blocks(cfg)))))
+      items.append(Item("streamed experts", 2 * -(-expert_bytes // len(expert_blocks(cfg))), phase="prefill"))
   n_attn = len(cfg.attention_layers)                  # a hybrid model's ring holds its attention layers only
   items.append(Item("main ring", ring * kv_bytes_per_token(cfg, n_attn, kv) // kv_shards, mode=0))
   if cfg.recurrent_layers:
@@ -248,7 +261,8 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   expert_cache: "all" | "auto" (slots from what is free after everything else; all resident, slots None, when
   every expert fits) | a number of slots.
   prefill_chunk: tokens per prefill call, the prompt's first (the workspace; with slots, a chunk of more (token,
-  expert) pairs than experts also reserves a streamed block; the engine's is decode.engine.prefill_chunk(gen));
+  expert) pairs than experts also needs two streamed blocks, before the slots exist: `auto` sizes the slots from
+  what the steady items leave; the engine's chunk is decode.engine.prefill_chunk(gen));
   fixed_ring: as make_plan's (False for an auto ring: no host tier)."""
   from model.mesh import device_bytes, heads_split, mesh_of, tp_of
   total, experts = param_bytes(model.params)
@@ -266,12 +280,11 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   slab = max(xc.slab_bytes(model.params, model.cfg).values())
   n_experts_total = len(xc.expert_blocks(model.cfg)) * model.cfg.n_experts
   if expert_cache == "auto":
-    probe = make_plan(model.cfg, **base, expert_cache_bytes=0)
     if budget is None:
       return make_plan(model.cfg, **base).check(), None      # no budget known (CPU): everything resident
-    if make_plan(model.cfg, **base, expert_cache_bytes=0).free // slab >= n_experts_total:   # every expert fits:
+    slots = max(0, (budget - make_plan(model.cfg, **base, expert_cache_bytes=0).steady_bytes) // slab)
+    if slots >= n_experts_total:                             # every expert fits:
       return make_plan(model.cfg, **base).check(), None      # all resident, no cache to run
-    slots = max(0, probe.free // slab)
   else:
     slots = int(expert_cache)
   if slots < model.cfg.top_k:

@@ -315,17 +315,67 @@ def test_plan_workspace_covers_the_grouped_gemm_buffers():
   assert ws(T) - ws(8) >= grouped
 
 
-def test_cached_plan_reserves_the_streamed_block_for_big_chunks():
+def test_cached_plan_counts_the_streamed_blocks_before_the_slots():
   """With slots, a prefill chunk routing more (token, expert) pairs than a block has experts runs the direct path,
-  which moves each MoE block's experts from the store whole: the plan reserves two blocks' experts ("streamed
-  experts", which `auto` takes from the slots); a chunk within the experts (chunk x top-k <= E) reserves
-  nothing, and an all-resident plan never does. On the seed-mtp shape: 2 of 49 blocks (48 trunk, 1 NextN)."""
+  which moves each MoE block's experts from the store whole: the plan holds two blocks' experts ("streamed
+  experts", phase "prefill"). The engine runs those chunks before it allocates the slots, so the device holds the
+  larger of the two, not both, and `auto` sizes the slots from what the other items leave. A chunk within the
+  experts (chunk x top-k <= E) streams nothing, and an all-resident plan never does. On the seed-mtp shape: 2 of
+  49 blocks (48 trunk, 1 NextN)."""
   from configs.presets import QWEN3NEXT_80B_A3B as cfg
   from decode.kv_plan import GiB, make_plan
   kw = dict(weight_bytes=36 * GiB, expert_bytes=34 * GiB, ring=32768, kv="int8", budget=24 * GiB)
   fits = cfg.n_experts // cfg.top_k                                  # 51 x 10 <= 512
+  block2 = 2 * -(-34 * GiB // len(xc.expert_blocks(cfg)))
   big = make_plan(cfg, **kw, expert_cache_bytes=20 * GiB, prefill_chunk=1024)
-  assert big.get("streamed experts") == 2 * -(-34 * GiB // len(xc.expert_blocks(cfg))) and len(xc.expert_blocks(cfg)) == 49
+  assert big.get("streamed experts") == block2 and len(xc.expert_blocks(cfg)) == 49
+  assert big.device_bytes == big.steady_bytes and big.steady_bytes == sum(
+      i.bytes for i in big.items if i.where == "device" and i.name != "streamed experts")
+  few = make_plan(cfg, **kw, expert_cache_bytes=block2 // 3, prefill_chunk=1024)   # slots smaller than the blocks
+  assert few.device_bytes == few.steady_bytes - block2 // 3 + block2
+  assert "| streamed experts |  | device (prefill) |" in big.table()
   assert make_plan(cfg, **kw, expert_cache_bytes=20 * GiB, prefill_chunk=fits).get("streamed experts") == 0
   assert make_plan(cfg, **kw, prefill_chunk=1024).get("streamed experts") == 0             # all resident
   assert make_plan(cfg, **kw, expert_cache_bytes=20 * GiB, prefill_chunk=fits + 1).get("streamed experts") > 0
+
+
+def test_auto_slots_take_the_streamed_blocks_memory():
+  """--expert_cache auto with streaming prefill chunks: the slots fill what the steady items leave of the budget
+  (the streamed blocks live before them and take none of it)."""
+  from decode.kv_plan import plan_request
+  m = _m("qwen3next", "IQ3_S")                 # 5 MoE blocks: two streamed blocks are 2 / 5 of the experts
+  E, K = m.cfg.n_experts, m.cfg.top_k
+  kw = dict(ring=1024, kv="int8", max_context=None, mtp_window=None, k=0, expert_cache="auto")
+  slab = max(xc.slab_bytes(m.params, m.cfg).values())
+  total = len(xc.expert_blocks(m.cfg)) * E
+  everything = plan_request(m, **kw, prefill_chunk=E // K + 1, budget=None)[0].device_bytes    # all resident
+  budget = everything - (total // 2) * slab
+  plan, slots = plan_request(m, **kw, prefill_chunk=E // K + 1, budget=budget)
+  assert plan.get("streamed experts") > 0 and m.cfg.top_k <= slots < total
+  assert slots * slab >= plan.get("streamed experts")              # the streamed blocks fit inside the slots' memory
+  assert slots == (budget - (plan.steady_bytes - slots * slab)) // slab
+  assert plan.device_bytes == plan.steady_bytes <= budget and plan.free < slab
+
+
+def test_streamed_prefill_runs_before_the_slots_exist(monkeypatch):
+  """A prompt of two streaming chunks (T * top_k > E) and a 3-token tail: the chunks run with no expert cache in
+  the state (it is allocated after them), the tail through the slots; tokens equal every expert resident, and the
+  cache's prefill counters are the tail's (3 tokens x top_k per trunk MoE block)."""
+  m = _m("qwen3moe", "IQ3_S")
+  E, K = m.cfg.n_experts, m.cfg.top_k
+  chunk = E // K + 2
+  monkeypatch.setattr(engine, "PREFILL_CHUNK", chunk)
+  prompt = [int(t) for t in np.random.default_rng(7).integers(0, 1000, 2 * chunk + 3)]
+  base = generate(m, prompt, max_new_tokens=8, stop_at_eos=False)
+  seen, prefill = [], api.prefill
+
+  def spy(params, tokens, state, **kw):
+    seen.append((int(tokens.shape[0]), state.experts is None))
+    return prefill(params, tokens, state, **kw)
+  monkeypatch.setattr(api, "prefill", spy)
+  got = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, expert_slots=K + 1)
+  assert got.ids == base.ids
+  assert seen == [(chunk, True), (chunk, True), (3, False)]
+  trunk_moe = [b for b in xc.expert_blocks(m.cfg) if b < m.cfg.n_layers]
+  pre = got.stats["expert_cache"]["prefill"]
+  assert pre["hits"] + pre["misses"] == 3 * K * len(trunk_moe) and pre["misses"] > 0
