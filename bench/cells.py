@@ -20,6 +20,7 @@ other arms run); any other expected failure exits 1 with one line (decode.cli).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -76,6 +77,11 @@ flags.DEFINE_bool("reuse_prefill", False, "arms that share a prompt, ring, tier 
                   "(bench.prefill_cache.PrefillCache; TTFT reports the original prefill's time, records say prefill_reused): "
                   "seeds run outermost and each arm's compiling run takes seed 0's prompt. For deep cells, whose "
                   "prefill dwarfs the decode")
+flags.DEFINE_integer("compile_jobs", 1, "arms whose compiling runs go at once, in threads, before any timed run (XLA "
+                     "compiles without the GIL: the seed4 arms' programs compile side by side on a many-core GPU host; "
+                     "each run meanwhile holds its own state, expert slots included, on the device); 1: each arm's "
+                     "compiling run just before its first timed run")
+flags.register_validator("compile_jobs", lambda v: v >= 1, "expected at least 1")
 flags.DEFINE_string("mesh", None, "split the model over this host's devices: ep=N[,tp=M] (routed experts by expert "
                     "id; K/V rings and attention by head where the heads divide; the rest replicated; model/mesh.py); "
                     "default: one device")
@@ -291,6 +297,22 @@ def compile_run(model, arm: Arm, prefill_cache=None) -> dict:
   return run_cell(model, arm, seed=0 if prefill_cache is not None else -1,
                   max_new=min(COMPILE_TOKENS, FLAGS.max_new_tokens), prefill_cache=prefill_cache,
                   buffer=FLAGS.max_new_tokens)
+
+
+def compile_all(model, arms: list[Arm], jobs: int) -> dict[str, float | Exception]:
+  """Every arm's compiling run, `jobs` at a time in threads: arm name -> its wall seconds (overlapping the others'),
+  or the expected error that refused it. The runs share only the params and jax's compile caches (a program two
+  arms need may compile twice, once in each thread); each allocates its own state."""
+  def one(arm):
+    t0 = time.time()
+    try:
+      compile_run(model, arm)
+    except cli.expected_errors() as e:
+      return e
+    return time.time() - t0
+  with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    done = {a.name: pool.submit(one, a) for a in arms}
+  return {name: f.result() for name, f in done.items()}
 
 
 def _plan(model, arm: Arm, gen, k: int):
@@ -531,6 +553,19 @@ def main(argv):
   log_dir = os.path.splitext(os.path.abspath(FLAGS.cells))[0] + ".logs"
   os.makedirs(log_dir, exist_ok=True)
   first_run, failed = {}, set()
+  if FLAGS.compile_jobs > 1:
+    if cache is not None:
+      raise CLIError(f"--compile_jobs {FLAGS.compile_jobs} with --reuse_prefill: the compiling runs would fill the "
+                     f"prefill cache from several threads, expected --compile_jobs 1")
+    t0 = time.time()
+    for name, got in compile_all(model, arms, FLAGS.compile_jobs).items():
+      if isinstance(got, Exception):
+        failed.add(name)
+        print(f"cell {name}: {str(got).splitlines()[0]}", file=sys.stderr)
+      else:
+        first_run[name] = got
+        print(f"arm {name}: first (compiling) run {got:.1f} s", file=sys.stderr)
+    print(f"compiling runs, {FLAGS.compile_jobs} at a time: {time.time() - t0:.1f} s", file=sys.stderr)
   with open(FLAGS.cells, "a") as out:
     for arm, seed in tqdm(runs, desc="cells", unit="run", file=sys.stderr):
       if arm.name in failed:
@@ -551,7 +586,7 @@ def main(argv):
         rec = {"arm": arm.name, "config": dataclasses.asdict(arm) | {"max_new_tokens": FLAGS.max_new_tokens,
                "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
                "prefill_chunk": FLAGS.prefill_chunk,
-               "reuse_prefill": FLAGS.reuse_prefill, "attn_kernel": FLAGS.attn_kernel or table_dots,
+               "reuse_prefill": FLAGS.reuse_prefill, "compile_jobs": FLAGS.compile_jobs, "attn_kernel": FLAGS.attn_kernel or table_dots,
                "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels, FLAGS.prefill_precision),
                "model": path, "arch": model.cfg.arch, "mesh": FLAGS.mesh}, "seed": seed, "commit": commit,
                "device": device,

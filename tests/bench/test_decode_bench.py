@@ -70,6 +70,30 @@ def test_compile_run_leaves_the_timed_runs_nothing_to_compile():
     bench.FLAGS.unparse_flags()
 
 
+def test_compiling_runs_in_threads_leave_the_timed_runs_nothing_to_compile():
+  """--compile_jobs 2: the arms' compiling runs in two threads at once compile every program their timed runs call
+  (no compile-cache entry added after them), and the timed runs' tokens are the plain greedy ones (replay accepts
+  every draft); an arm whose request is refused comes back as its error, the others still compiled."""
+  from bench import cells as bench
+  from decode import engine, speculative
+  from configs.default import default_model_path
+  from model.loader import load_model
+  bench.FLAGS(["bench", "--max_new_tokens", "12", "--max_context", "4096"])
+  try:
+    model = load_model(default_model_path())
+    arms = [bench.Arm("P", ring="2048", depth=40), bench.Arm("R", ring="2048", depth=40, draft="replay", k=2),
+            bench.Arm("X", ring="16", depth=40)]                       # 16 slots for a 40-token prompt: refused
+    got = bench.compile_all(model, arms, jobs=2)
+    assert got["P"] > 0 and got["R"] > 0 and isinstance(got["X"], Exception) and "kv_resident" in str(got["X"])
+    loops = (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size())
+    plain = bench.run_cell(model, arms[0], seed=0, max_new=12)
+    drafted = bench.run_cell(model, arms[1], seed=0, max_new=12)
+    assert (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size()) == loops
+    assert drafted["tokens"] == plain["tokens"] and drafted["acceptance"] == 1.0
+  finally:
+    bench.FLAGS.unparse_flags()
+
+
 def test_only_runs_a_subset_of_a_named_set():
   """--only splits seed4 over processes: the named arms, in set order; an unknown name is a one-line error."""
   import pytest
