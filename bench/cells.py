@@ -486,6 +486,8 @@ def report(paths: list[str]) -> str:
   if not kept:
     raise CLIError(f"--report {','.join(paths)}: no record of the arms {sorted(n for n, _ in want)}")
   records = list(kept.values())
+  caches = {r["arm"]: r.get("config", {}).get("cache") for r in records}   # the arms as run (the flags' default
+  arms = [dataclasses.replace(a, cache=caches.get(a.name) or a.cache) for a in arms]   # cache is "all")
   runs = {(r.get("commit"), r.get("device")) for r in records}
   lines = [f"{len(records)} records from {len(paths)} files; commit/device: "
            + "; ".join(f"{c} on {d}" for c, d in sorted(runs, key=str)), "", _table(records, arms)]

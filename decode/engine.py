@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 
 import jax
@@ -124,13 +125,17 @@ def request_params(model, gen: GenConfig) -> dict:
   kind = gen.expert_store or xc.store_memory_kind()
   if kind == "device":
     return model.params
-  placed = getattr(model, "_placed_stores", None)
-  if placed is None or placed[0] is not model.params:
-    placed = (model.params, {})
-    object.__setattr__(model, "_placed_stores", placed)   # works on a frozen dataclass too
-  if kind not in placed[1]:
-    placed[1][kind] = xc.place_store(model.params, model.cfg, kind)
-  return placed[1][kind]
+  with _PLACING:                  # requests started in threads (bench.cells --compile_jobs) place the store once
+    placed = getattr(model, "_placed_stores", None)
+    if placed is None or placed[0] is not model.params:
+      placed = (model.params, {})
+      object.__setattr__(model, "_placed_stores", placed)   # works on a frozen dataclass too
+    if kind not in placed[1]:
+      placed[1][kind] = xc.place_store(model.params, model.cfg, kind)
+    return placed[1][kind]
+
+
+_PLACING = threading.Lock()
 
 
 def commit_for_store(tree, params, cfg: ModelConfig):

@@ -210,10 +210,23 @@ def store_kinds(params: dict, cfg: ModelConfig) -> dict[str, list[str]]:
   return out
 
 
-def to_device(w):
+def to_device(w, after=None):
   """A store tensor (QTensor or dense array) moved to device memory inside a jitted step; unchanged when it is
-  already there. For the paths that read the whole store (T * top_k > n_experts)."""
-  return _rebuild(w, tuple(on_device(p) for p in _planes(w)))
+  already there. For the paths that read the whole store (T * top_k > n_experts).
+
+  `after` (an array of the step, e.g. the block's input): the move starts only once it is computed. Nothing else
+  ties a store's copy to its block, so XLA schedules every block's copy at the program's start and holds all of
+  them at once (a prefill chunk of the seed-mtp shape asked for 30.8 GiB, the whole store, where the plan counts
+  two blocks). Each plane moves in two dynamic slices of its experts whose offset (0) comes through an
+  optimization barrier with `after` (a slice of the whole extent would be simplified away), joined on the device."""
+  def move(p):
+    if after is None or not in_host_memory(p) or p.shape[0] < 2:
+      return on_device(p)
+    off = jax.lax.optimization_barrier((jnp.zeros((), jnp.int32), after))[0]
+    h = p.shape[0] // 2
+    return jnp.concatenate([on_device(jax.lax.dynamic_slice_in_dim(p, off + a, n, axis=0))
+                            for a, n in ((0, h), (h, p.shape[0] - h))], axis=0)
+  return _rebuild(w, tuple(move(p) for p in _planes(w)))
 
 
 def _fetch(plane: jax.Array, e) -> jax.Array:

@@ -253,10 +253,10 @@ class MoE(nn.Module):
       # The direct path reads every expert of the block (no cache, or a step routing more (token, expert) pairs
       # than there are experts: prefill chunks, long MTP passes). A store in pinned host memory
       # (expert_cache.place_store) is moved to the device first: each such step copies the block's whole
-      # routed-expert tensors host -> device (for a prefill, once per MoE block per chunk; a transient device
-      # buffer of one block's experts, which XLA may overlap with its neighbours'), the cost a host store implies.
-      # A no-op when the experts are on the device.
-      gate, up, down = (xc.to_device(t) for t in (gate, up, down))
+      # routed-expert tensors host -> device (for a prefill, once per MoE block per chunk), the cost a host store
+      # implies. The copy waits for the block's input (`after`), so the device holds a block's experts at a time,
+      # overlapping its neighbour's at most (decode.kv_plan "streamed experts"). A no-op on the device.
+      gate, up, down = (xc.to_device(t, after=x_TD) for t in (gate, up, down))
       y = moe(x_TD, ids_TX, w_TX, gate, up, down)
     else:
       y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe)
