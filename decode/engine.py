@@ -285,7 +285,9 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   (so that plain and speculative requests see the same window). Without --kv_resident the ring is the smallest
   power-of-two bucket from 1024 holding the request (or `ring_start` tokens, then grown); with a fixed R and
   max_context > R, positions older than the ring's window live in the host tier. With `prefill_cache` a prompt
-  prefilled before under the same ring, tier and chunking is copied instead of run again (Started.reused_s)."""
+  prefilled before under the same ring, tier and chunking is copied instead of run again (Started.reused_s); with
+  expert slots only a prompt that streams whole (every chunk full, `streams_experts`), whose prefill never reads
+  the slots."""
   t_in = time.perf_counter()
   if not prompt:
     raise RequestError("prompt: empty, expected at least one token")
@@ -305,19 +307,24 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
                        if host else f"kv_resident {cap} is too small for {k} drafts")
   params = model.params if params is None else params
   chunk = min(prefill_chunk(gen), cap - slack) if host else prefill_chunk(gen)      # cap - slack: the window
-  key = hit = None
-  if prefill_cache is not None and not gen.expert_slots:
-    key = (id(params), model.cfg, gen.options, tuple(prompt), cap, slack, host, gen.kv, chunk)
-    hit = prefill_cache.get(key)                 # an entry keeps its params alive, so their id stays theirs
-  # on a hit the tier comes from the entry: allocate none (a 139K tier is 6.9 GB of pinned memory, ~4 s on the H200)
   # full chunks that stream every block's experts run before the slots exist (they never read them), so the plan
   # counts the streamed blocks and the slots once, the larger of the two (decode.kv_plan phase "prefill")
   n_streamed = len(prompt) // chunk * chunk if gen.expert_slots and streams_experts(model.cfg, chunk) else 0
+  key = hit = None
+  # with slots a prompt is cached only when it streams whole: its state then holds no expert cache (a hit gets
+  # empty slots, as after its own prefill); a tail through the slots would leave them warm
+  if prefill_cache is not None and (not gen.expert_slots or n_streamed == len(prompt)):
+    key = (id(params), model.cfg, gen.options, tuple(prompt), cap, slack, host, gen.kv, chunk)
+    hit = prefill_cache.get(key)                 # an entry keeps its params alive, so their id stays theirs
+  # on a hit the tier comes from the entry: allocate none (a 139K tier is 6.9 GB of pinned memory, ~4 s on the H200)
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=None if hit else host,
                      params=params, experts=not n_streamed)
   if hit is not None:
     ring, tier, rec, logits, hidden = _fresh(hit[0])
-    state = commit_for_store(state.replace(ring=ring, host=tier, recurrent=rec), params, model.cfg)
+    state = state.replace(ring=ring, host=tier, recurrent=rec)
+    if n_streamed:
+      state = with_expert_cache(model, state, gen, params)
+    state = commit_for_store(state, params, model.cfg)
     jax.block_until_ready((state, logits))
     return Started(state, logits, hidden, cap, grow=not fixed, reused_s=hit[1], setup_s=time.perf_counter() - t_in)
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile

@@ -402,3 +402,29 @@ def test_streamed_prefill_runs_before_the_slots_exist(monkeypatch):
   trunk_moe = [b for b in xc.expert_blocks(m.cfg) if b < m.cfg.n_layers]
   pre = got.stats["expert_cache"]["prefill"]
   assert pre["hits"] + pre["misses"] == 3 * K * len(trunk_moe) and pre["misses"] > 0
+
+
+def test_a_prompt_that_streams_whole_shares_its_prefill_under_slots(monkeypatch):
+  """With expert slots the prefill cache keeps a prompt whose every chunk streams the experts (no tail through the
+  slots): a second request, plain or speculative, reuses it with empty slots, and its tokens are every expert
+  resident's; a prompt with a tail through the slots (which would leave them warm) is never cached."""
+  from bench.prefill_cache import PrefillCache
+  m = _m("qwen3moe", "IQ3_S")
+  E, K = m.cfg.n_experts, m.cfg.top_k
+  chunk = E // K + 2
+  monkeypatch.setattr(engine, "PREFILL_CHUNK", chunk)
+  rng = np.random.default_rng(9)
+  whole = [int(t) for t in rng.integers(0, 1000, 2 * chunk)]
+  tailed = whole + [5, 6, 7]
+  for prompt, cached in ((whole, True), (tailed, False)):
+    base = generate(m, prompt, max_new_tokens=8, stop_at_eos=False)
+    cache = PrefillCache()
+    gen = GenConfig(max_new_tokens=8, stop_at_eos=False, expert_slots=K + 1, kv_resident=256)
+    first = generate(m, prompt, gen, prefill_cache=cache)
+    again = generate(m, prompt, gen, prefill_cache=cache)
+    spec = speculative_generate(m, prompt, gen, drafter="replay", k=2, replay_ids=base.ids, prefill_cache=cache)
+    assert first.ids == again.ids == spec.ids == base.ids and spec.stats["acceptance"] == 1.0
+    assert not first.stats["prefill_reused"] and again.stats["prefill_reused"] == cached
+    assert len(cache) == (2 if cached else 0)       # without a tier the plain and k = 2 rings keep other scratch
+    if cached:                         # the reused request starts with empty slots: its decode misses as the first's
+      assert again.stats["expert_cache"]["decode"] == first.stats["expert_cache"]["decode"]
