@@ -82,6 +82,10 @@ flags.DEFINE_integer("compile_jobs", 1, "arms whose compiling runs go at once, i
                      "each run meanwhile holds its own state, expert slots included, on the device); 1: each arm's "
                      "compiling run just before its first timed run")
 flags.register_validator("compile_jobs", lambda v: v >= 1, "expected at least 1")
+flags.DEFINE_string("profile", None, "folder: after an arm's timed runs, trace one more request of its seed 0 "
+                    "(PROFILE_TOKENS tokens) with jax.profiler, its prompt's prefill reused from an untraced run just "
+                    "before, so the trace holds the decode: <folder>/<arm>/ gets a perfetto trace.json.gz "
+                    "(scripts/gpu/trace_summary.py: kernel time per step, launch gaps)")
 flags.DEFINE_string("mesh", None, "split the model over this host's devices: ep=N[,tp=M] (routed experts by expert "
                     "id; K/V rings and attention by head where the heads divide; the rest replicated; model/mesh.py); "
                     "default: one device")
@@ -314,6 +318,25 @@ def compile_all(model, arms: list[Arm], jobs: int) -> dict[str, float | Exceptio
   with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
     done = {a.name: pool.submit(one, a) for a in arms}
   return {name: f.result() for name, f in done.items()}
+
+
+PROFILE_TOKENS = 32      # tokens of a traced request (--profile)
+
+
+def profile_arm(model, arm: Arm, folder: str) -> dict:
+  """One request of `arm` (seed 0, PROFILE_TOKENS new tokens, buffers sized for the timed runs so nothing
+  compiles) traced with jax.profiler into `folder`, after an untraced one that prefills its prompt into a prefill
+  cache: the traced request reuses that prefill (where the engine caches it: no expert slots, or a prompt that
+  streams whole), so its trace is the decode loop's. Returns its stats."""
+  import jax
+
+  from bench.prefill_cache import PrefillCache
+  cache = PrefillCache(capacity=2)
+  kw = dict(seed=0, max_new=min(PROFILE_TOKENS, FLAGS.max_new_tokens), prefill_cache=cache,
+            buffer=FLAGS.max_new_tokens)
+  run_cell(model, arm, **kw)
+  with jax.profiler.trace(folder, create_perfetto_trace=True):
+    return run_cell(model, arm, **kw)
 
 
 def _plan(model, arm: Arm, gen, k: int):
@@ -595,6 +618,11 @@ def main(argv):
         records.append(rec)
         out.write(json.dumps(rec) + "\n")
         out.flush()
+        if FLAGS.profile and seed == FLAGS.seeds - 1:        # the arm's last timed run: trace one more request
+          folder = os.path.join(FLAGS.profile, arm.name)
+          with cell_log(log_path):
+            st = profile_arm(model, arm, folder)
+            CELL_LOG.info("arm %s: traced request in %s (prefill reused: %s)", arm.name, folder, st["prefill_reused"])
       except cli.expected_errors() as e:         # a refused request or plan fails its arm; the others still run
         failed.add(arm.name)
         with cell_log(log_path):

@@ -247,10 +247,12 @@ class Started:
 
 
 def _fresh(tree):
-  """A copy of every array of `tree` in its own buffers, where it was (memory kind included): the jitted steps
-  donate the state, so a cached prefill hands out copies and keeps its own."""
-  return jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False) if isinstance(a, jax.Array) else a,
-                      tree)
+  """A copy of every array of `tree` in its own buffers, where it was (memory kind included) and as committed as it
+  was (jit keys its programs on committedness: a committed copy of an uncommitted prefill would compile the decode
+  loop again): the jitted steps donate the state, so a cached prefill hands out copies and keeps its own."""
+  def copy(a):
+    return jax.device_put(a, a.sharding if a.committed else None, may_alias=False)
+  return jax.tree.map(lambda a: copy(a) if isinstance(a, jax.Array) else a, tree)
 
 
 # Scratch slots of every request on a fixed ring beside a host tier, plain or speculative (k + 1 <= this). The window

@@ -94,6 +94,32 @@ def test_compiling_runs_in_threads_leave_the_timed_runs_nothing_to_compile():
     bench.FLAGS.unparse_flags()
 
 
+def test_profile_traces_a_request_that_reuses_its_prefill(tmp_path):
+  """bench.profile_arm: the traced request reuses the prefill of an untraced one just before (so the perfetto trace
+  holds the decode), compiles nothing the timed runs did not, and emits the plain greedy tokens (replay accepts
+  every draft)."""
+  import glob
+
+  from bench import cells as bench
+  from decode import engine, speculative
+  from configs.default import default_model_path
+  from model.loader import load_model
+  bench.FLAGS(["bench", "--max_new_tokens", "12", "--max_context", "4096"])
+  try:
+    model = load_model(default_model_path())
+    arm = bench.Arm("R", ring="2048", depth=40, draft="replay", k=2)
+    bench.compile_run(model, arm)
+    timed = bench.run_cell(model, arm, seed=0, max_new=12)
+    loops = (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size())
+    st = bench.profile_arm(model, arm, str(tmp_path / "R"))
+    assert st["prefill_reused"] and st["acceptance"] == 1.0
+    assert st["tokens"] == timed["tokens"][:len(st["tokens"])] and len(st["tokens"]) == 12
+    assert (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size()) == loops
+    assert glob.glob(str(tmp_path / "R" / "**" / "perfetto_trace.json.gz"), recursive=True)
+  finally:
+    bench.FLAGS.unparse_flags()
+
+
 def test_only_runs_a_subset_of_a_named_set():
   """--only splits seed4 over processes: the named arms, in set order; an unknown name is a one-line error."""
   import pytest
