@@ -82,7 +82,7 @@ flags.DEFINE_integer("compile_jobs", 1, "arms whose compiling runs go at once, i
                      "each run meanwhile holds its own state, expert slots included, on the device); 1: each arm's "
                      "compiling run just before its first timed run")
 flags.register_validator("compile_jobs", lambda v: v >= 1, "expected at least 1")
-flags.DEFINE_string("profile", None, "folder: after an arm's timed runs, trace one more request of its seed 0 "
+flags.DEFINE_string("trace", None, "folder: after an arm's timed runs, trace one more request of its seed 0 "
                     "(PROFILE_TOKENS tokens) with jax.profiler, its prompt's prefill reused from an untraced run just "
                     "before, so the trace holds the decode: <folder>/<arm>/ gets a perfetto trace.json.gz "
                     "(scripts/gpu/trace_summary.py: kernel time per step, launch gaps)")
@@ -320,7 +320,7 @@ def compile_all(model, arms: list[Arm], jobs: int) -> dict[str, float | Exceptio
   return {name: f.result() for name, f in done.items()}
 
 
-PROFILE_TOKENS = 32      # tokens of a traced request (--profile)
+PROFILE_TOKENS = 32      # tokens of a traced request (--trace)
 
 
 def profile_arm(model, arm: Arm, folder: str) -> dict:
@@ -618,8 +618,8 @@ def main(argv):
         records.append(rec)
         out.write(json.dumps(rec) + "\n")
         out.flush()
-        if FLAGS.profile and seed == FLAGS.seeds - 1:        # the arm's last timed run: trace one more request
-          folder = os.path.join(FLAGS.profile, arm.name)
+        if FLAGS.trace and seed == FLAGS.seeds - 1:        # the arm's last timed run: trace one more request
+          folder = os.path.join(FLAGS.trace, arm.name)
           with cell_log(log_path):
             st = profile_arm(model, arm, folder)
             CELL_LOG.info("arm %s: traced request in %s (prefill reused: %s)", arm.name, folder, st["prefill_reused"])

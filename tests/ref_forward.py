@@ -81,30 +81,8 @@ def rope_neox(x: np.ndarray, pos: np.ndarray, rope_dim: int, base: float, freq_s
   return out
 
 
-class RefModel:
-  """float64 numpy reference of llama.cpp's qwen3moe / qwen2moe / glm4moe graphs (+ glm4moe NextN)."""
-
-  def __init__(self, path: str):
-    self.path = str(path)
-    reader = gguf.GGUFReader(self.path)
-    self.meta: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-      if name.startswith("GGUF.") or (name.startswith("tokenizer.ggml.") and name not in (
-          "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
-          "tokenizer.ggml.eos_token_id")):
-        continue                       # skip the big token / merge arrays
-      self.meta[name] = _field_value(field)
-    self.tensor_types: dict[str, gguf.GGMLQuantizationType] = {}
-    self.t: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-      shape = tuple(int(s) for s in reversed(tensor.shape.tolist()))
-      w = dequantize(tensor.data, tensor.tensor_type)
-      self.t[tensor.name] = np.asarray(w, dtype=np.float64).reshape(shape)
-      self.tensor_types[tensor.name] = tensor.tensor_type
-    del reader
-    self._read_hparams()
-
-  # ---------------------------------------------------------------- metadata
+class GGUFMeta:
+  """Metadata lookups of a reference model: `self.meta`, `self.arch`, `self.n_blocks`, `self.path` set by it."""
 
   def _key(self, key: str, default: Any = KeyError) -> Any:
     full = f"{self.arch}.{key}"
@@ -114,14 +92,39 @@ class RefModel:
       raise KeyError(f"{self.path}: GGUF key {full!r} missing")
     return default
 
-  def _per_layer(self, key: str, default: Any = KeyError) -> list:
+  def _per_block(self, key: str, default: Any = KeyError) -> list:
     """A key that llama.cpp reads with get_key_or_arr: a scalar for all blocks, or one value per block."""
     v = self._key(key, default)
     if isinstance(v, list):
       if len(v) != self.n_blocks:
         raise ValueError(f"{self.arch}.{key}: array of {len(v)} for {self.n_blocks} blocks")
-      return [int(x) for x in v]
+      return list(v)
     return [v] * self.n_blocks
+
+
+def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, gguf.GGMLQuantizationType]]:
+  """(metadata, tensors, their types) of a GGUF file: the metadata without the GGUF.* keys and the tokenizer's
+  arrays (its model, pre-tokenizer and bos / eos ids kept), every tensor dequantized by gguf-py to float64 in
+  numpy's shape (GGUF's reversed)."""
+  reader = gguf.GGUFReader(path)
+  keep = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+  meta = {name: _field_value(field) for name, field in reader.fields.items()
+          if not name.startswith("GGUF.") and (not name.startswith("tokenizer.ggml.") or name in keep)}
+  tensors, types = {}, {}
+  for tensor in reader.tensors:
+    shape = tuple(int(s) for s in reversed(tensor.shape.tolist()))
+    tensors[tensor.name] = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(shape)
+    types[tensor.name] = tensor.tensor_type
+  return meta, tensors, types
+
+
+class RefModel(GGUFMeta):
+  """float64 numpy reference of llama.cpp's qwen3moe / qwen2moe / glm4moe graphs (+ glm4moe NextN)."""
+
+  def __init__(self, path: str):
+    self.path = str(path)
+    self.meta, self.t, self.tensor_types = read_gguf(self.path)
+    self._read_hparams()
 
   def _read_hparams(self) -> None:
     self.arch = str(self.meta["general.architecture"])
@@ -131,8 +134,8 @@ class RefModel:
     self.n_nextn = int(self._key("nextn_predict_layers", 0))
     self.n_layers = self.n_blocks - self.n_nextn
     self.d_model = int(self._key("embedding_length"))
-    self.n_heads = [int(x) for x in self._per_layer("attention.head_count")]
-    self.n_kv_heads = ([int(x) for x in self._per_layer("attention.head_count_kv")]
+    self.n_heads = [int(x) for x in self._per_block("attention.head_count")]
+    self.n_kv_heads = ([int(x) for x in self._per_block("attention.head_count_kv")]
                        if f"{self.arch}.attention.head_count_kv" in self.meta else list(self.n_heads))
     # head_dim defaults to n_embd / n_head (of block 0, as llama.cpp's n_head() does)
     self.head_dim = int(self._key("attention.key_length", self.d_model // self.n_heads[0]))
@@ -150,12 +153,12 @@ class RefModel:
     if sections is not None and len(sections) >= 2 and int(sections[0]) > 0 and int(sections[1]) > 0:   # use_mrope()
       raise NotImplementedError("RefModel: M-RoPE (rope.dimension_sections) not supported")
     self.eps = float(self._key("attention.layer_norm_rms_epsilon"))
-    self.n_ff = [int(x) for x in self._per_layer("feed_forward_length", 0)]
+    self.n_ff = [int(x) for x in self._per_block("feed_forward_length", 0)]
     self.n_experts = int(self._key("expert_count", 0))
-    self.top_k = [int(x) for x in self._per_layer("expert_used_count", 0)]
+    self.top_k = [int(x) for x in self._per_block("expert_used_count", 0)]
     if int(self._key("expert_group_count", 0)) > 1:
       raise NotImplementedError("RefModel: group-limited routing (expert_group_count > 1)")
-    ff_exp = self._per_layer("expert_feed_forward_length", 0)
+    ff_exp = self._per_block("expert_feed_forward_length", 0)
     # llama.cpp: n_ff_exp = expert_feed_forward_length if set, else n_ff / n_expert_used
     self.n_ff_exp = [int(f) if int(f) else (self.n_ff[i] // max(self.top_k[i], 1)) for i, f in enumerate(ff_exp)]
 

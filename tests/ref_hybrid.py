@@ -39,13 +39,10 @@ Semantics (llama.cpp's, the points that are easy to get wrong):
 from __future__ import annotations
 
 import math
-from typing import Any
 
-import gguf
 import numpy as np
-from gguf.quants import dequantize
 
-from tests.ref_forward import _NORM_CLAMP, _field_value, rms_norm, rope_neox, sigmoid, silu, softmax
+from tests.ref_forward import _NORM_CLAMP, GGUFMeta, read_gguf, rms_norm, rope_neox, sigmoid, silu, softmax
 
 ARCHS = ("qwen3next", "qwen35moe")
 
@@ -89,41 +86,13 @@ def rope_imrope_text(x: np.ndarray, pos: np.ndarray, rope_dim: int, base: float,
   return out
 
 
-class HybridRefModel:
+class HybridRefModel(GGUFMeta):
   """float64 numpy reference of llama.cpp 0.3.36's qwen3next / qwen35moe graphs (+ their NextN block)."""
 
   def __init__(self, path: str):
     self.path = str(path)
-    reader = gguf.GGUFReader(self.path)
-    self.meta: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-      if name.startswith("GGUF.") or name.startswith("tokenizer.ggml."):
-        continue
-      self.meta[name] = _field_value(field)
-    self.t: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-      shape = tuple(int(s) for s in reversed(tensor.shape.tolist()))
-      self.t[tensor.name] = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(shape)
-    del reader
+    self.meta, self.t, _ = read_gguf(self.path)
     self._read_hparams()
-
-  # ---------------------------------------------------------------- metadata
-
-  def _key(self, key: str, default: Any = KeyError) -> Any:
-    full = f"{self.arch}.{key}"
-    if full in self.meta:
-      return self.meta[full]
-    if default is KeyError:
-      raise KeyError(f"{self.path}: GGUF key {full!r} missing")
-    return default
-
-  def _per_block(self, key: str, default: Any = KeyError) -> list:
-    v = self._key(key, default)
-    if isinstance(v, list):
-      if len(v) != self.n_blocks:
-        raise ValueError(f"{self.arch}.{key}: array of {len(v)} for {self.n_blocks} blocks")
-      return list(v)
-    return [v] * self.n_blocks
 
   def _read_hparams(self) -> None:
     self.arch = str(self.meta["general.architecture"])

@@ -22,8 +22,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 ONLY=${ONLY:-AR}; DEPTH=${DEPTH:-1024}
 timeout ${TO:-560} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --arms seed4 --only $ONLY \
   --depths $DEPTH --expert_cache auto --device_budget 24GiB --max_context 139264 --max_new_tokens ${NEW:-256} \
-  --seeds ${SEEDS:-3} --compile_jobs ${JOBS:-1} ${REUSE:+--reuse_prefill} ${PROFILE:+--profile $OUT/prof} --cells $OUT/seed4-$DEPTH-${ONLY//,/}.jsonl 2>&1 | grep --line-buffered -v "it/s\]\|random params" \
+  --seeds ${SEEDS:-3} --compile_jobs ${JOBS:-1} ${REUSE:+--reuse_prefill} ${PROFILE:+--trace $OUT/prof} --cells $OUT/seed4-$DEPTH-${ONLY//,/}.jsonl 2>&1 | grep --line-buffered -v "it/s\]\|random params" \
   | tee $OUT/seed4-$DEPTH-${ONLY//,/}.log | tail -30
-# PROFILE=1: each arm's traced decode request (bench.cells --profile) as one tarball; read it here with
+# PROFILE=1: each arm's traced decode request (bench.cells --trace) as one tarball; read it here with
 #   python scripts/gpu/trace_summary.py <arm>/plugins/profile/*/perfetto_trace.json.gz --steps 31 --gaps 50
 [ -z "$PROFILE" ] || { tar czf $OUT/prof.tgz -C $OUT prof && rm -rf $OUT/prof; }
