@@ -195,10 +195,10 @@ def prefill_chunk(gen: GenConfig) -> int:
 
   On a GPU: GEMM_PREFILL_CHUNK, so full chunks of the prompt run the tensor-core GEMMs (ops/qgemm_pallas,
   ops/moe_grouped_pallas). With expert slots too: a chunk routing more (token, expert) pairs than a block has
-  experts streams each MoE block's experts from the store once (model.transformer.MoE's direct path; the plan
-  runs such chunks before the slots exist: `start_request`, decode.kv_plan "streamed experts"), where 8-token chunks
-  through the slots loaded every chunk's misses (206 GB moved for a 1K prompt on seed-mtp, 6.5x the store: docs/PERF.md "Replay rounds against
-  the faster step"). The remainder after the full chunks runs 8 tokens a call (`prefill_tail`). On CPU:
+  experts streams each MoE block's experts from the store once (model.transformer.MoE's direct path, run before the
+  slots exist: `start_request`, decode.kv_plan "streamed experts"), where 8-token chunks through the slots loaded
+  every chunk's misses (206 GB moved for a 1K prompt on seed-mtp, 6.5x the store: docs/PERF.md "Replay rounds
+  against the faster step"). The remainder after the full chunks runs 8 tokens a call (`prefill_tail`). On CPU:
   PREFILL_CHUNK (one big call is fastest)."""
   if gen.prefill_chunk is not None:
     if gen.prefill_chunk < 1:
