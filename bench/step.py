@@ -55,7 +55,7 @@ flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell w
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
 GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0, "
-              "qmm=P")
+              "qmm=P, tier=N (a power of two)")
 
 
 def glue_options(spec: str):
@@ -67,6 +67,7 @@ def glue_options(spec: str):
                        projections and both MoE kernels: natural order up to B tokens; types not named and 0:
                        the permuted view)
     qmm=P              the projections' ops.qmatmul_pallas.Tuning(programs=P) (BN halves to reach P programs)
+    tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)
 
   >>> glue_options("on/rope=1")[1].rope_write
   Tuning(q_programs=1, num_warps=None)
@@ -100,6 +101,9 @@ def glue_options(spec: str):
           raise ValueError(val)
         for t in qmatmul_pallas.KERNEL_TYPES:
           proj[t]["programs"] = int(val)
+      elif key == "tier":
+        kw["tier_block"] = int(val)
+        Tunings(tier_block=kw["tier_block"])               # a power of two, else ValueError
       else:
         raise ValueError(key)
     except ValueError:

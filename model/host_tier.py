@@ -87,10 +87,15 @@ def evict_leaving(tier: HostTier, ring: KVRing, pos_T: jax.Array) -> tuple[HostT
   return jax.lax.optimization_barrier((t, ring))
 
 
-def tier_block(window: int, attn_block: int) -> int:
-  """Positions per block when attention visits the tier: HOST_BLOCK (few, large host -> device copies), at most
-  the ring's window (a block then never runs past the tier's capacity: see HostTier) and at least attn_block."""
-  b = HOST_BLOCK
+def tier_block(window: int, attn_block: int, want: int | None = None) -> int:
+  """Positions per block when attention visits the tier: `want` (ops.tuning.Tunings.tier_block) or HOST_BLOCK
+  (few, large host -> device copies), halved until it is at most the ring's window (a block then never runs past
+  the tier's capacity: see HostTier), and at least attn_block.
+
+  >>> tier_block(32760, 256), tier_block(32760, 256, 16384), tier_block(248, 32), tier_block(248, 32, 16)
+  (4096, 16384, 128, 32)
+  """
+  b = want or HOST_BLOCK
   while b > window:
     b //= 2
   return max(b, attn_block)

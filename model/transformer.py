@@ -172,8 +172,9 @@ class Attention(nn.Module):
         o1, lse1 = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, cache.length + T + cache.scratch,
                                            block=attn_block, scale=scale, with_lse=True, tunings=tun)
         q_hi = jnp.minimum(pos_T, cache.length + T - cache.window - 1)
-      o2, lse2 = attn_ops.tier_attention(q_THDh, *cache.tier, q_hi, tier_block=tier_block(cache.window, attn_block),
-                                         block=attn_block, scale=scale, tunings=tun)
+      tb = tier_block(cache.window, attn_block, tun and tun.tier_block)
+      o2, lse2 = attn_ops.tier_attention(q_THDh, *cache.tier, q_hi, tier_block=tb, block=attn_block, scale=scale,
+                                         tunings=tun)
       o = attn_ops.merge_lse(o1.reshape(T, H, Dh), lse1, o2.reshape(T, H, Dh), lse2)
     return self._out(x_TD, o.reshape(T, H * Dh), wo)
 

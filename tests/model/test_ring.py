@@ -157,6 +157,27 @@ def test_host_tier_wrapping_ring_equals_full_cache(kv):
   assert err < (1e-5 if kv == "f32" else 1e-4)
 
 
+def test_host_tier_block_tuning_reaches_the_tier_and_keeps_the_tokens(monkeypatch):
+  """Tunings.tier_block sets the positions per block of attention over the tier (model.host_tier.tier_block: on a
+  1,024-slot ring the default is 512, HOST_BLOCK halved to the window): the tier's calls take it, and the greedy
+  tokens equal one ring holding everything."""
+  from ops import attention as attn_ops
+  from ops.tuning import Tunings
+  real, seen = attn_ops.tier_attention, []
+  monkeypatch.setattr(attn_ops, "tier_attention", lambda *a, **kw: seen.append(kw["tier_block"]) or real(*a, **kw))
+  m = _model()
+  prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 1040)]
+  big = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=2048)
+  for tb, want in ((256, 256), (4096, 512)):         # each its own Options: traced here, never a cached program
+    seen.clear()
+    small = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=1024, max_context=2048,
+                     options=Options(tunings=Tunings(tier_block=tb)))
+    assert set(seen) == {want}, (tb, seen)
+    assert small.ids == big.ids, tb
+  with pytest.raises(ValueError, match="tier_block 3000, expected a power of two"):
+    Tunings(tier_block=3000)
+
+
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_host_tier_beside_the_attention_kernels_equals_full_cache(kernel, monkeypatch, request):
   """With a host tier the ring's part of attention runs on the kernels (interpret mode here, compiled on a GPU)
