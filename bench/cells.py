@@ -421,9 +421,7 @@ def _verdicts(records: list[dict], bars) -> list[str]:
         verdict = "PASS" if rel < tol else "INCONCLUSIVE (inside the seeds' spread)" if rel <= max(sa, sb) else "FAIL"
         out.append(f"|{b}-{a}|/{a} = {rel:.1%} (bar < {tol:.0%}{note}): {verdict}")
     else:
-      ca = [r["stats"].get("drafts_accepted") for r in by[a]]
-      cb = [r["stats"].get("drafts_accepted") for r in by[b]]
-      out.append(f"{what} {a} {ca} vs {b} {cb} (bar: identical): {'PASS' if ca == cb else 'FAIL'}")
+      out.append(_accepted_verdict(what, a, by[a], b, by[b]))
       text, same = _token_match(by[a], by[b])
       if _rings_hold(by[a] + by[b]):      # invariant 1: both rings hold the request, so the tokens must be equal
         out.append(f"generated tokens {a} vs {b} (bar: identical, both rings hold the request): {text}: "
@@ -431,6 +429,22 @@ def _verdicts(records: list[dict], bars) -> list[str]:
       else:
         out.append(f"generated tokens {a} vs {b} (reported: beyond the smaller ring's window): {text}")
   return out
+
+
+def _accepted_verdict(what: str, a: str, ra: list[dict], b: str, rb: list[dict]) -> str:
+  """The acceptance bar of a ring pair, seed by seed: the drafts accepted per position must be identical on every
+  seed both arms ran (records without a seed pair in order). A seed only one arm ran (a call cut short) is named
+  as unpaired, never counted as a difference."""
+  key = lambda rs: {r.get("seed", i): r["stats"].get("drafts_accepted") for i, r in enumerate(rs)}  # noqa: E731
+  sa, sb = key(ra), key(rb)
+  both = [s for s in sa if s in sb]
+  ca, cb = [sa[s] for s in both], [sb[s] for s in both]
+  unpaired = [f"{n} seed {s}" for n, mine, other in ((a, sa, sb), (b, sb, sa)) for s in mine if s not in other]
+  if not both:
+    return f"{what} {a} vs {b} (bar: identical): no seed run by both ({', '.join(unpaired)})"
+  verdict = "PASS" if ca == cb else "FAIL"
+  note = f"; unpaired, not compared: {', '.join(unpaired)}" if unpaired else ""
+  return f"{what} {a} {ca} vs {b} {cb} (bar: identical{note}): {verdict}"
 
 
 def _spread(records: list[dict]) -> float:

@@ -196,6 +196,22 @@ def test_arms_compare_their_generated_tokens_seed_by_seed():
   assert bench._verdicts(records, [("AN", "BN", 0.0, "drafts accepted")])[-1].endswith("seed 1 identical: PASS")
 
 
+def test_acceptance_bar_pairs_seeds_and_names_the_unpaired():
+  """A call cut short leaves one arm with fewer seeds: the acceptance bar compares the seeds both arms ran and names
+  the others (a missing seed is no difference); a paired seed that differs FAILs."""
+  from bench import cells as bench
+  rec = lambda arm, seed, acc: {"arm": arm, "seed": seed, "stats": {"decode_tok_s": 1.0, "drafts_accepted": acc}}  # noqa: E731
+  bar = [("AR", "BR", 0.0, "drafts accepted")]
+  records = [rec("AR", 0, [64, 64]), rec("BR", 0, [64, 64]), rec("BR", 1, [64, 64])]
+  assert bench._verdicts(records, bar)[0] == ("drafts accepted AR [[64, 64]] vs BR [[64, 64]] (bar: identical; "
+                                              "unpaired, not compared: BR seed 1): PASS")
+  records.append(rec("AR", 1, [64, 63]))
+  assert bench._verdicts(records, bar)[0] == ("drafts accepted AR [[64, 64], [64, 63]] vs BR [[64, 64], [64, 64]] "
+                                              "(bar: identical): FAIL")
+  assert bench._verdicts([rec("AR", 2, [1]), rec("BR", 0, [1])], bar)[0] == (
+      "drafts accepted AR vs BR (bar: identical): no seed run by both (AR seed 2, BR seed 0)")
+
+
 def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
   """--reuse_prefill: seeds run outermost, each arm's compiling run takes seed 0's prompt, and arms with the same
   ring and k share a prefill (NextN and lookup at k = 3): only the first arm's seed-1 run prefills by itself."""
