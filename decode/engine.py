@@ -25,7 +25,7 @@ from model import api
 from model.config import ModelConfig
 from model.options import DEFAULT, Options
 from model import state as model_state
-from model.state import ModelState
+from model.state import ATTN_BLOCK, ModelState
 from ops import on_gpu
 
 
@@ -215,10 +215,11 @@ def prefill_tail(chunk: int) -> int:
 
 
 def prefill_chunked(params, prompt: list[int], state: ModelState, cfg: ModelConfig, chunk: int,
-                    tail: int | None = None, options: Options = DEFAULT):
+                    tail: int | None = None, options: Options = DEFAULT, keep: int | None = None):
   """The prompt in calls of `chunk` tokens while at least `chunk` are left, then of `tail` (default chunk) tokens
   (a ring with a host tier needs chunk <= its window; long prompts also bound the activations). Returns (last
-  logits [1, V], hidden [T, D], state)."""
+  logits [1, V], hidden [min(T, keep), D]: the last `keep` positions' hidden states (None: all), state); chunks
+  wholly before those are dropped as the prompt goes, so a long prompt never holds [T, D] on the device."""
   hs, logits, a = [], None, 0
   tail = tail or chunk
   start = int(state.ring.length) if state.host is not None else 0
@@ -229,15 +230,33 @@ def prefill_chunked(params, prompt: list[int], state: ModelState, cfg: ModelConf
                                    last_only=True)
     state = api.join_tier(state, held)
     hs.append(h)
+    while keep is not None and len(hs) > 1 and sum(x.shape[0] for x in hs[1:]) >= keep:
+      hs.pop(0)
     a += c
-  return logits, (hs[0] if len(hs) == 1 else jnp.concatenate(hs)), state
+  return logits, _last_rows(hs[0] if len(hs) == 1 else jnp.concatenate(hs), keep), state
+
+
+def _last_rows(x, n: int | None):
+  return x if n is None or x.shape[0] <= n else x[x.shape[0] - n:]
+
+
+# The prompt's hidden states a request keeps (Started.hidden): its last HIDDEN_ROWS positions (64 MB at d_model
+# 2,048), or the NextN drafter ring's capacity + 1 where that is more (decode.speculative prefills the drafter from
+# them); never [T, D] of a long prompt (1 GiB at 128K on seed-mtp).
+HIDDEN_ROWS = 8192
+
+
+def hidden_rows(mtp_window: int | None, scratch: int) -> int:
+  """Rows of the prompt's hidden states a request keeps: HIDDEN_ROWS, or more for a NextN drafter ring of
+  `mtp_window` + `scratch` entries rounded up to a whole attention block (model.state.init_state)."""
+  return HIDDEN_ROWS if not mtp_window else max(HIDDEN_ROWS, mtp_window + scratch + ATTN_BLOCK)
 
 
 @dataclasses.dataclass
 class Started:
   state: ModelState
   logits: jax.Array       # [1, V] at the last prompt position
-  hidden: jax.Array       # [T, D] after output_norm
+  hidden: jax.Array       # [min(T, hidden_rows), D] after output_norm: the prompt's last positions
   cap: int
   grow: bool
   reused_s: float | None = None   # the prompt came from a prefill cache: seconds its original prefill took
@@ -315,8 +334,9 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   key = hit = None
   # with slots a prompt is cached only when it streams whole: its state then holds no expert cache (a hit gets
   # empty slots, as after its own prefill); a tail through the slots would leave them warm
+  keep = hidden_rows(mtp_window, slack)
   if prefill_cache is not None and (not gen.expert_slots or n_streamed == len(prompt)):
-    key = (id(params), model.cfg, gen.options, tuple(prompt), cap, slack, host, gen.kv, chunk)
+    key = (id(params), model.cfg, gen.options, tuple(prompt), cap, slack, host, gen.kv, chunk, keep)
     hit = prefill_cache.get(key)                 # an entry keeps its params alive, so their id stays theirs
   # on a hit the tier comes from the entry: allocate none (a 139K tier is 6.9 GB of pinned memory, ~4 s on the H200)
   state = init_state(model, cap, gen, mtp_window=mtp_window, scratch=slack, host=None if hit else host,
@@ -333,12 +353,12 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   t0 = time.perf_counter()
   if n_streamed:
     logits, hidden, state = prefill_chunked(params, prompt[:n_streamed], state, model.cfg, chunk,
-                                            options=gen.options)
+                                            options=gen.options, keep=keep)
     state = commit_for_store(with_expert_cache(model, state, gen, params), params, model.cfg)
   if n_streamed < len(prompt):
     logits, h, state = prefill_chunked(params, prompt[n_streamed:], state, model.cfg, chunk, prefill_tail(chunk),
-                                       gen.options)
-    hidden = jnp.concatenate([hidden, h]) if n_streamed else h
+                                       gen.options, keep=keep)
+    hidden = _last_rows(jnp.concatenate([hidden, h]), keep) if n_streamed else h
   jax.block_until_ready(logits)                            # the caller waits for the first token right after
   prefill_s = time.perf_counter() - t0
   if key is not None:

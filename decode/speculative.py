@@ -240,6 +240,26 @@ class SpecStart:
   prefilled: object     # expert-cache counters after the prefill
 
 
+def _prefill_drafter(params, hidden_TD, prompt: list[int], state, cfg, options):
+  """The NextN drafter ring after a prompt of T tokens: entries 0 .. T - 2 (entry j pairs the hidden state at
+  position j with prompt[j + 1]; `hidden_TD` holds the prompt's last positions, engine.hidden_rows of them). The
+  ring keeps the newest `capacity` entries, and an entry's K/V depend on its own row alone, so only those run, in
+  one call: the older ones would have been overwritten, and a call of more rows than slots writes some slots twice
+  (which row a scatter with duplicate indices keeps is unspecified on the GPU). The entries before them count as
+  written (the ring's length), as if they had run."""
+  ring, T, rows = state.mtp_ring, len(prompt), hidden_TD.shape[0]
+  n = min(T - 1, ring.capacity)
+  if rows < n + 1:
+    raise ValueError(f"_prefill_drafter: {rows} hidden rows kept, expected at least {n + 1} (the drafter ring's "
+                     f"capacity {ring.capacity} + 1)")
+  ring = ring.advance(T - 1 - n)
+  h, toks = hidden_TD[rows - 1 - n:rows - 1], jnp.asarray(prompt[T - n:], jnp.int32)
+  if state.experts is None:
+    return state.replace(mtp_ring=api.mtp_step(params, h, toks, ring, cfg=cfg, options=options)[2])
+  _, _, ring, ex = api.mtp_forward(params, h, toks, ring, cfg=cfg, options=options, experts=state.experts)
+  return state.replace(mtp_ring=ring, experts=ex)
+
+
 def start_speculative(model, prompt_ids, gen: GenConfig, *, drafter: str = "mtp", k: int = 3, mtp_window: int = 4096,
                       replay_ids=None, prefill_cache=None) -> SpecStart:
   """Check the request, prefill the prompt, sample the first token and fill the drafter ring: what
@@ -270,14 +290,7 @@ def start_speculative(model, prompt_ids, gen: GenConfig, *, drafter: str = "mtp"
   pend_h = jnp.zeros((k + 1, cfg.d_model), jnp.float32).at[0].set(hidden[-1])
   pend_t = jnp.zeros((k + 1,), jnp.int32).at[0].set(first)
   if drafter == "mtp" and T > 1:
-    if state.experts is None:
-      _, _, ring = api.mtp_step(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring, cfg=cfg,
-                             options=gen.options)
-      state = state.replace(mtp_ring=ring)
-    else:
-      _, _, ring, ex = api.mtp_forward(params, hidden[:-1], jnp.asarray(prompt[1:], jnp.int32), state.mtp_ring,
-                                       cfg=cfg, options=gen.options, experts=state.experts)
-      state = state.replace(mtp_ring=ring, experts=ex)
+    state = _prefill_drafter(params, hidden, prompt, state, cfg, gen.options)
   first.block_until_ready()
   ttft = time.perf_counter() - t0 + (st.reused_s or 0.0)
   prefilled = cache_counts(state)

@@ -217,3 +217,52 @@ def test_memory_plan_counts_the_host_tier_the_engine_allocates():
   assert started.state.host is None and started.grow
   plan = make_plan(m.cfg, weight_bytes=0, ring=started.cap, kv="int8", max_context=1024, k=3, fixed_ring=False)
   assert plan.get("host tier") == 0 and plan.get("main ring") > 0
+
+
+def test_drafter_prefill_runs_the_entries_its_ring_keeps(monkeypatch):
+  """A prompt longer than the NextN drafter's ring (mtp_window 32, k = 3: 36 slots): the drafter's prefill runs its
+  ring's newest 36 entries in one call (never a slot written twice in a call, whose winner a GPU scatter leaves
+  unspecified) and leaves the ring that entry-by-entry order leaves (chunks of at most 36 rows over the whole
+  prompt, the reference); the speculative tokens equal plain greedy."""
+  from decode.engine import GenConfig
+  from decode.speculative import start_speculative
+  from model import api
+  from model import state as model_state
+  m, k, W = _model(), 3, 32
+  prompt = _prompt(100, seed=8)
+  gen = GenConfig(max_new_tokens=N_NEW, stop_at_eos=False, kv="f32", kv_resident=1024)
+  real, rows = api.mtp_step, []
+  monkeypatch.setattr(api, "mtp_step", lambda p, h, t, ring, **kw: rows.append((h.shape[0], ring.capacity))
+                      or real(p, h, t, ring, **kw))
+  got = start_speculative(m, prompt, gen, drafter="mtp", k=k, mtp_window=W).s.model.mtp_ring
+  assert rows == [(36, 36)], rows
+  st = model_state.init_state(m.cfg, 1024, "f32", mtp_window=W, scratch=k + 1)
+  _, hidden, _ = api.prefill(m.params, jnp.asarray(prompt, jnp.int32), st.replace(mtp_ring=None), cfg=m.cfg)
+  ring = st.mtp_ring
+  for a in range(0, len(prompt) - 1, ring.capacity):       # entries a .. : hidden[j] with prompt[j + 1]
+    b = min(a + ring.capacity, len(prompt) - 1)
+    ring = real(m.params, hidden[a:b], jnp.asarray(prompt[a + 1:b + 1], jnp.int32), ring, cfg=m.cfg)[2]
+  assert int(got.length) == int(ring.length) == len(prompt) - 1
+  for x, y in zip(jax.tree.leaves((got.k, got.v)), jax.tree.leaves((ring.k, ring.v))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+  plain = generate(m, prompt, max_new_tokens=N_NEW, stop_at_eos=False, kv="f32", kv_resident=1024).ids
+  assert speculative_generate(m, prompt, drafter="mtp", k=k, max_new_tokens=N_NEW, stop_at_eos=False, kv="f32",
+                              kv_resident=1024, mtp_window=W).ids == plain
+
+
+def test_a_request_keeps_the_prompts_last_hidden_states(monkeypatch):
+  """start_request keeps engine.hidden_rows of the prompt's hidden states (the last positions; a chunked prefill
+  drops older chunks as it goes), equal to those rows of one whole-prompt prefill."""
+  from decode import engine
+  from decode.engine import GenConfig, start_request
+  from model import api
+  from model import state as model_state
+  m = _model()
+  prompt = _prompt(100, seed=9)
+  monkeypatch.setattr(engine, "HIDDEN_ROWS", 20)
+  st = model_state.init_state(m.cfg, 1024, "f32")
+  _, want, _ = api.prefill(m.params, jnp.asarray(prompt, jnp.int32), st, cfg=m.cfg)
+  for chunk in (None, 16, 7):
+    got = start_request(m, prompt, GenConfig(max_new_tokens=4, kv="f32", kv_resident=1024, prefill_chunk=chunk)).hidden
+    assert got.shape == (20, m.cfg.d_model), (chunk, got.shape)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want[-20:]), rtol=2e-5, atol=2e-5, err_msg=str(chunk))
