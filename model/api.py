@@ -153,7 +153,12 @@ def mtp_forward(params, hidden_TD, tokens_T, mtp_ring: KVRing, *, cfg: ModelConf
                 j: int = 0, attn_block: int = ATTN_BLOCK, experts=None):
   """NextN block j over T entries: entry i pairs the target hidden state at position p = mtp_ring.length + i
   with the token at p + 1, runs at RoPE position p + 1 and predicts the token at p + 2.
-  Returns (logits [T, V], h [T, D] after shared_head_norm, ring advanced by T, expert cache or None)."""
+  Returns (logits [T, V], h [T, D] after shared_head_norm, ring advanced by T, expert cache or None). T must not
+  exceed the ring's capacity: a call writes each slot at most once (which of two writes to one slot a scatter
+  keeps is unspecified on the GPU)."""
+  if tokens_T.shape[0] > mtp_ring.capacity:
+    raise ValueError(f"mtp_forward: {tokens_T.shape[0]} entries in one call, expected at most the drafter ring's "
+                     f"capacity {mtp_ring.capacity}")
   pos = mtp_ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   head = params.get("output", params["token_embd"])
   with jax.default_matmul_precision(MATMUL_PRECISION):

@@ -243,6 +243,8 @@ def test_drafter_prefill_runs_the_entries_its_ring_keeps(monkeypatch):
     b = min(a + ring.capacity, len(prompt) - 1)
     ring = real(m.params, hidden[a:b], jnp.asarray(prompt[a + 1:b + 1], jnp.int32), ring, cfg=m.cfg)[2]
   assert int(got.length) == int(ring.length) == len(prompt) - 1
+  with pytest.raises(ValueError, match="37 entries in one call, expected at most the drafter ring's capacity 36"):
+    real(m.params, hidden[:37], jnp.asarray(prompt[1:38], jnp.int32), ring, cfg=m.cfg)
   for x, y in zip(jax.tree.leaves((got.k, got.v)), jax.tree.leaves((ring.k, ring.v))):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
   plain = generate(m, prompt, max_new_tokens=N_NEW, stop_at_eos=False, kv="f32", kv_resident=1024).ids
