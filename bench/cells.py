@@ -56,6 +56,9 @@ flags.DEFINE_integer("max_new_tokens", 256, "generated tokens per cell")
 flags.DEFINE_integer("mtp_draft", 3, "drafts per round")
 flags.DEFINE_integer("mtp_window", 4096, "drafter window")
 flags.DEFINE_integer("seeds", 3, "timed runs per cell")
+flags.DEFINE_integer("first_seed", 0, "the first seed of the timed runs (seeds first_seed .. first_seed + seeds - 1): "
+                     "a cell's seeds split over calls, the JSONLs joined by --report")
+flags.register_validator("first_seed", lambda v: v >= 0, "expected at least 0")
 flags.DEFINE_integer("max_context", None, "max_context of every request (above a fixed ring: the host tier)")
 flags.DEFINE_list("expert_cache", ["all"], "expert caches: all | auto | N slots (arms; seed4 takes the first)")
 flags.DEFINE_string("device_budget", None, "device memory budget of the plan (e.g. 24GiB; default: the device's)")
@@ -74,12 +77,13 @@ flags.DEFINE_enum("prompt_source", "synthetic", ["synthetic", "text"],
                   "synthetic: a fixed arithmetic token pattern; text: the standard library's documentation topics "
                   "(pydoc_data), tokenized, from a seed-dependent offset (real text, for models that learned it)")
 flags.DEFINE_bool("reuse_prefill", False, "arms that share a prompt, ring, tier and k share one prefill "
-                  "(bench.prefill_cache.PrefillCache; TTFT reports the original prefill's time, records say prefill_reused): "
-                  "seeds run outermost and each arm's compiling run takes seed 0's prompt. For deep cells, whose "
-                  "prefill dwarfs the decode")
+                  "(bench.prefill_cache.PrefillCache; TTFT reports the original prefill's time, records say "
+                  "prefill_reused): seeds run outermost and each arm's compiling run takes the first seed's prompt. "
+                  "For deep cells, whose prefill dwarfs the decode")
 flags.DEFINE_integer("compile_jobs", 1, "arms whose compiling runs go at once, in threads, before any timed run (XLA "
                      "compiles without the GIL: the seed4 arms' programs compile side by side on a many-core GPU host; "
-                     "each run meanwhile holds its own state, expert slots included, on the device); 1: each arm's "
+                     "each run meanwhile holds its own state, expert slots included, on the device), after one arm's "
+                     "alone whose prefill of the first seed's prompt the others take (compile_all); 1: each arm's "
                      "compiling run just before its first timed run")
 flags.register_validator("compile_jobs", lambda v: v >= 1, "expected at least 1")
 flags.DEFINE_string("trace", None, "folder: after an arm's timed runs, trace one more request of its seed 0 "
@@ -296,28 +300,37 @@ COMPILE_TOKENS = 8       # tokens the compiling run generates (a 128K cell's 256
 def compile_run(model, arm: Arm, prefill_cache=None) -> dict:
   """The untimed first run of an arm: COMPILE_TOKENS new tokens in buffers and a ring sized for the timed runs'
   max_new_tokens (engine.GenConfig.buffer_tokens), so it compiles every loop they call; without the sizing a
-  shorter run left the first timed run a recompile. With a prefill cache it takes seed 0's prompt, whose prefill
-  the first timed run then reuses."""
-  return run_cell(model, arm, seed=0 if prefill_cache is not None else -1,
+  shorter run left the first timed run a recompile. With a prefill cache it takes the first seed's prompt
+  (--first_seed), whose prefill the first timed run then reuses."""
+  return run_cell(model, arm, seed=FLAGS.first_seed if prefill_cache is not None else -1,
                   max_new=min(COMPILE_TOKENS, FLAGS.max_new_tokens), prefill_cache=prefill_cache,
                   buffer=FLAGS.max_new_tokens)
 
 
-def compile_all(model, arms: list[Arm], jobs: int) -> dict[str, float | Exception]:
-  """Every arm's compiling run, `jobs` at a time in threads: arm name -> its wall seconds (overlapping the others'),
-  or the expected error that refused it. The runs share only the params and jax's compile caches (a program two
-  arms need may compile twice, once in each thread); each allocates its own state, and none touches a prefill cache
-  (with --reuse_prefill the first timed run of a prompt prefills it)."""
+def compile_all(model, arms: list[Arm], jobs: int, prefill_cache=None) -> dict[str, float | Exception]:
+  """Every arm's compiling run: arm name -> its wall seconds, or the expected error that refused it. One arm runs
+  first on its own (a replay arm where there is one: its plain and drafted requests prefill the first seed's
+  prompt under both of their keys), its prefills kept in `prefill_cache` (a private one when None); the others run
+  `jobs` at a time in threads (XLA compiles outside the GIL) and take that prefill instead of running their own: a
+  32K prompt under the card streams the store 32 times, and four such prefills at once shared the PCIe for minutes.
+  The threads share the params, jax's compile caches and the prefill cache (a program two threaded arms need may
+  compile twice, once in each)."""
+  from bench.prefill_cache import PrefillCache
+  cache = prefill_cache if prefill_cache is not None else PrefillCache(capacity=2 * len({(a.ring, a.kv) for a in arms}))
+
   def one(arm):
     t0 = time.time()
     try:
-      compile_run(model, arm)
+      compile_run(model, arm, cache)
     except cli.expected_errors() as e:
       return e
     return time.time() - t0
+  first = next((a for a in arms if a.draft == "replay"), arms[0])
+  done = {first.name: one(first)}
   with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-    done = {a.name: pool.submit(one, a) for a in arms}
-  return {name: f.result() for name, f in done.items()}
+    futures = {a.name: pool.submit(one, a) for a in arms if a is not first}
+  done.update({name: f.result() for name, f in futures.items()})
+  return {a.name: done[a.name] for a in arms}
 
 
 PROFILE_TOKENS = 32      # tokens of a traced request (--trace)
@@ -588,14 +601,14 @@ def main(argv):
   from bench.prefill_cache import PrefillCache
   # one entry per distinct (ring, k) request of a seed's prompt: a plain and a drafted request per ring for seed4
   cache = PrefillCache(capacity=2 * len({(a.ring, a.kv) for a in arms})) if FLAGS.reuse_prefill else None
-  runs = ([(a, s) for s in range(FLAGS.seeds) for a in arms] if cache is not None else
-          [(a, s) for a in arms for s in range(FLAGS.seeds)])
+  seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
+  runs = [(a, s) for s in seeds for a in arms] if cache is not None else [(a, s) for a in arms for s in seeds]
   log_dir = os.path.splitext(os.path.abspath(FLAGS.cells))[0] + ".logs"
   os.makedirs(log_dir, exist_ok=True)
   first_run, failed = {}, set()
   if FLAGS.compile_jobs > 1:
     t0 = time.time()
-    for name, got in compile_all(model, arms, FLAGS.compile_jobs).items():
+    for name, got in compile_all(model, arms, FLAGS.compile_jobs, cache).items():
       if isinstance(got, Exception):
         failed.add(name)
         print(f"cell {name}: {str(got).splitlines()[0]}", file=sys.stderr)
@@ -633,7 +646,7 @@ def main(argv):
         records.append(rec)
         out.write(json.dumps(rec) + "\n")
         out.flush()
-        if FLAGS.trace and seed == FLAGS.seeds - 1:        # the arm's last timed run: trace one more request
+        if FLAGS.trace and seed == seeds[-1]:              # the arm's last timed run: trace one more request
           folder = os.path.join(FLAGS.trace, arm.name)
           with cell_log(log_path):
             st = profile_arm(model, arm, folder)

@@ -4,6 +4,7 @@ object with get and put) and hands out copies of an entry's arrays (the jitted s
 from __future__ import annotations
 
 import collections
+import threading
 
 
 class PrefillCache:
@@ -12,7 +13,8 @@ class PrefillCache:
   and scratch, the tier's size, the KV dtype and the prefill chunking. The drafter ring is not part of it (it is
   filled after the prefill, from the hidden states), so a NextN arm and a lookup arm with the same k share an
   entry. Requests with an expert cache never use it (their cache counters are part of the result). `capacity`
-  entries, least recently used out first; each holds a whole ring and tier, so keep it small on a GPU.
+  entries, least recently used out first; each holds a whole ring and tier, so keep it small on a GPU. Threads
+  may share one (bench.cells.compile_all).
 
   >>> cache = PrefillCache(capacity=1)
   >>> cache.put("a", 1); cache.put("b", 2)
@@ -23,20 +25,23 @@ class PrefillCache:
   def __init__(self, capacity: int = 4):
     self.capacity, self._d = capacity, collections.OrderedDict()
     self.hits = self.misses = 0
+    self._lock = threading.Lock()
 
   def __len__(self) -> int:
     return len(self._d)
 
   def get(self, key):
-    if key not in self._d:
-      self.misses += 1
-      return None
-    self.hits += 1
-    self._d.move_to_end(key)
-    return self._d[key]
+    with self._lock:
+      if key not in self._d:
+        self.misses += 1
+        return None
+      self.hits += 1
+      self._d.move_to_end(key)
+      return self._d[key]
 
   def put(self, key, value) -> None:
-    self._d[key] = value
-    self._d.move_to_end(key)
-    while len(self._d) > self.capacity:
-      self._d.popitem(last=False)
+    with self._lock:
+      self._d[key] = value
+      self._d.move_to_end(key)
+      while len(self._d) > self.capacity:
+        self._d.popitem(last=False)

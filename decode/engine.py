@@ -350,6 +350,9 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
     jax.block_until_ready((state, logits))
     return Started(state, logits, hidden, cap, grow=not fixed, reused_s=hit[1], setup_s=time.perf_counter() - t_in)
   state = commit_for_store(state, params, model.cfg)      # the prefill chunks share one compile
+  # the trunk's prefill never reads the NextN drafter's ring: held out of the calls, so requests with and without
+  # a drafter run (and compile) the same prefill programs
+  drafter_ring, state = state.mtp_ring, state.replace(mtp_ring=None)
   t0 = time.perf_counter()
   if n_streamed:
     logits, hidden, state = prefill_chunked(params, prompt[:n_streamed], state, model.cfg, chunk,
@@ -361,6 +364,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
     hidden = _last_rows(jnp.concatenate([hidden, h]), keep) if n_streamed else h
   jax.block_until_ready(logits)                            # the caller waits for the first token right after
   prefill_s = time.perf_counter() - t0
+  state = state.replace(mtp_ring=drafter_ring)
   if key is not None:
     prefill_cache.put(key, (_fresh((state.ring, state.host, state.recurrent, logits, hidden)), prefill_s, params))
   return Started(state, logits, hidden, cap, grow=not fixed, setup_s=time.perf_counter() - t_in - prefill_s,

@@ -4,3 +4,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 [ -n "$MOEJAX_ENV_QUIET" ] || nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 [ -n "$MOEJAX_ENV_QUIET" ] || python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
+# Compiled programs kept across the device calls of a session (each call's machine starts bare; the seed4 cells at
+# depth spent 300-400 s a call compiling): jax's persistent cache in .jaxcache (ignored by git). A script ends with
+# `pack_jaxcache` (below): $OUT/jaxcache.tgz, unpacked here into .jaxcache and named in the next call's carry.
+mkdir -p .jaxcache
+export JAX_COMPILATION_CACHE_DIR=$PWD/.jaxcache
+pack_jaxcache() {      # under the 16 MiB a returned file may hold, else only its size is said
+  local mb; mb=$(du -sm .jaxcache | cut -f1)
+  if [ "$mb" -lt 15 ]; then tar czf $OUT/jaxcache.tgz .jaxcache; fi
+  echo "jax cache: ${mb} MiB in $(ls .jaxcache | wc -l) entries$([ "$mb" -lt 15 ] || echo ', too big to return')"
+}

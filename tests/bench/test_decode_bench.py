@@ -70,26 +70,40 @@ def test_compile_run_leaves_the_timed_runs_nothing_to_compile():
     bench.FLAGS.unparse_flags()
 
 
-def test_compiling_runs_in_threads_leave_the_timed_runs_nothing_to_compile():
-  """--compile_jobs 2: the arms' compiling runs in two threads at once compile every program their timed runs call
-  (no compile-cache entry added after them), and the timed runs' tokens are the plain greedy ones (replay accepts
-  every draft); an arm whose request is refused comes back as its error, the others still compiled."""
+def test_compiling_runs_in_threads_leave_the_timed_runs_nothing_to_compile(monkeypatch):
+  """--compile_jobs 2: the replay arm's compiling run first, alone, then the others in two threads at once, which
+  take its prefill of seed 0's prompt (one prefill for four requests); together they compile every program the
+  timed runs call, a new prompt's prefill included (no compile-cache entry added after them: the NextN arm's
+  prefill is the others' program, its drafter ring held out), and the timed runs' tokens are the plain greedy ones
+  (replay accepts every draft); an arm whose request is refused comes back as its error, the others still
+  compiled."""
   from bench import cells as bench
   from decode import engine, speculative
   from configs.default import default_model_path
+  from model import api
   from model.loader import load_model
   bench.FLAGS(["bench", "--max_new_tokens", "12", "--max_context", "4096"])
+  real, prefills = engine.prefill_chunked, []
+  monkeypatch.setattr(engine, "prefill_chunked", lambda *a, **kw: prefills.append(len(a[1])) or real(*a, **kw))
   try:
     model = load_model(default_model_path())
-    arms = [bench.Arm("P", ring="2048", depth=40), bench.Arm("R", ring="2048", depth=40, draft="replay", k=2),
+    assert model.cfg.n_nextn
+    arms = [bench.Arm("P", ring="2048", depth=40), bench.Arm("S", ring="2048", depth=40, draft="mtp", k=2),
+            bench.Arm("R", ring="2048", depth=40, draft="replay", k=2),
             bench.Arm("X", ring="16", depth=40)]                       # 16 slots for a 40-token prompt: refused
     got = bench.compile_all(model, arms, jobs=2)
-    assert got["P"] > 0 and got["R"] > 0 and isinstance(got["X"], Exception) and "kv_resident" in str(got["X"])
-    loops = (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size())
-    plain = bench.run_cell(model, arms[0], seed=0, max_new=12)
-    drafted = bench.run_cell(model, arms[1], seed=0, max_new=12)
-    assert (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size()) == loops
-    assert drafted["tokens"] == plain["tokens"] and drafted["acceptance"] == 1.0
+    assert list(got) == ["P", "S", "R", "X"]
+    assert got["P"] > 0 and got["R"] > 0 and got["S"] > 0
+    assert isinstance(got["X"], Exception) and "kv_resident" in str(got["X"])
+    assert prefills == [40], prefills              # the replay arm's plain request; the other three took it
+    progs = lambda: (engine.decode_loop._cache_size(), speculative.spec_loop._cache_size(),  # noqa: E731
+                     api.prefill._cache_size(), api.mtp_step._cache_size())
+    loops = progs()
+    plain = bench.run_cell(model, arms[0], seed=1, max_new=12)           # seed 1: a new prompt, prefilled
+    drafted = bench.run_cell(model, arms[2], seed=1, max_new=12)
+    nextn = bench.run_cell(model, arms[1], seed=1, max_new=12)
+    assert progs() == loops and len(prefills) == 5              # no cache here: the replay arm prefills twice
+    assert drafted["tokens"] == plain["tokens"] == nextn["tokens"] and drafted["acceptance"] == 1.0
   finally:
     bench.FLAGS.unparse_flags()
 
@@ -228,6 +242,17 @@ def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
   # a reused prefill's TTFT is another run's: such a run reports no prefill speed, and the table says so
   assert [x["stats"]["prefill_tok_s"] is None for x in recs] == [True, True, False, True]
   assert all(len(x["stats"]["tokens"]) == 8 for x in recs) and "| reused |" in r.stdout
+  # --first_seed: a cell's seeds split over calls; the compiling run then prefills the first seed's prompt, and the
+  # tokens are that seed's in the first call's records
+  later = tmp_path / "later.jsonl"
+  r = subprocess.run(
+      [sys.executable, "-m", "bench.cells", "--rings", "2048", "--drafts", "lookup", "--depths", "48",
+       "--max_new_tokens", "8", "--seeds", "1", "--first_seed", "1", "--reuse_prefill", "--cells", str(later)],
+      capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-3000:]
+  (one,) = [json.loads(line) for line in later.read_text().splitlines()]
+  assert one["seed"] == 1 and one["stats"]["prefill_reused"]
+  assert one["stats"]["tokens"] == recs[3]["stats"]["tokens"]
 
 
 def test_random_params_are_the_loaded_files_params_on_any_thread_count(tmp_path):
