@@ -8,11 +8,12 @@ import threading
 
 
 class PrefillCache:
-  """An entry is the main trunk's result of `start_request` (the ring, the host tier, the last logits and the hidden
-  states) under a key of everything that shapes it: the weights, the model options, the prompt, the ring's capacity
-  and scratch, the tier's size, the KV dtype and the prefill chunking. The drafter ring is not part of it (it is
-  filled after the prefill, from the hidden states), so a NextN arm and a lookup arm with the same k share an
-  entry. Requests with an expert cache never use it (their cache counters are part of the result). `capacity`
+  """An entry is the main trunk's result of `start_request` (the ring, the host tier, the last logits and the prompt's
+  last hidden states) under a key of everything that shapes it: the weights, the model options, the prompt, the
+  ring's capacity and scratch, the tier's size, the KV dtype, the prefill chunking and the hidden rows kept
+  (decode.engine.hidden_rows). The drafter ring is not part of it (it is filled after the prefill, from the hidden
+  states), so a NextN arm and a lookup arm with the same k share an entry. Requests with an expert cache use it only
+  for a prompt that streams whole (the state then holds no expert cache; a hit gets empty slots). `capacity`
   entries, least recently used out first; each holds a whole ring and tier, so keep it small on a GPU. Threads
   may share one (bench.cells.compile_all).
 
