@@ -5,21 +5,18 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open (the launch floor, `bench.kernels --launch_floor`, ~2 us per dependent launch, puts issue 3's B = 1 goal
-# out of reach of any per-layer launch design: PERF "Part (b) at a917c5b and after"), in priority order:
-#   0. Issue 3 is blocked on launch latency. What could unblock it, none started: a persistent multi-layer kernel
-#      (grid barriers; not in Pallas), XLA programmatic dependent launch for custom calls, or a goal at B = 4.
-#   1. Issue 3: IQ3_S's gate/up kernel runs at ~670 GB/s against Q4_K's ~1,110 (traces at 9325bd7, 2c10895): the
-#      grid-table gather's layout conversions (16 barriers, scripts/kernel_sass.py) are the known difference; a
-#      table half the size did not help (PERF "Retired options"), so not the gather's cache lines.
-#   2. The seed-1 TTFT anomaly at 32K (16-19 s against 8.6 s: the first prefill of a new prompt after a cached one),
-#      and seed 0's prefill 14-19 % slower at 1K in every e2e run. A lead (read in the code, unmeasured): generate's
-#      TTFT window holds start_request whole, i.e. init_state's pinned host-tier allocation (6.9 GB at 139K, ~4 s)
-#      and PrefillCache.put's eviction of the older prompt's entries (their pinned tiers freed) besides the prefill.
-#      Every request's stats split TTFT into setup_s and prefill_s (the bench logs them per run): run
-#      `python3 scripts/gpu/tier_alloc_probe.py` (a 139K tier's pinned allocation and free, ~1 min; not yet run) and
-#      the 32K seed4 cells (PART 3 with --depths 32768) and read the split in <cells>.logs/.
-#   3. Prefill levers: the prefill attention kernel's ~70 TFLOP/s (the 128K prompt: 158 s / 139 s at 9325bd7).
+# Still open, in the order to run them (2026-12-04; each a PART that fits one call; the numbered parts below are
+# earlier sessions' measurements, kept as the commands their PERF sections cite):
+#   tier     issue 26 item 5: the host tier at 128K (block A/B against the tier-free ring, attention on the host's
+#            CPU, replay rounds beside the tier): scripts/gpu/tier_depth.sh, ~6 min
+#   seed32a  issue 26 item 4: the 32K cell's missing seeds, ring 32,768 (seeds 1, 2 of AS, AR, AN)
+#   seed32b  the same, ring 49,152 (seed 2 of BS, BR, BN)
+#   probes   issue 27: the decode loop's per-step test (scripts/gpu/loop_sync_probe.py) and compile against layers
+#            (scripts/compile_probe.py --kernels pallas, 12 against 48 layers: is a scan over layer groups the lever)
+#   seed128  issue 26 item 4 at 128K, one ring and seed a call: ONLY=AS,AR,AN FIRST=0 SEEDS=1 DEPTH=131072 (then
+#            FIRST=1, 2, then the other ring); after seed32a/b have shown what compile_all and .jaxcache save
+# Every call: carry [".whl", ".jaxcache"] once a call has returned $OUT/jaxcache.tgz (unpack it in the repo root),
+# and set MOEJAX_COMMIT to the commit (the device copy's git is stale).
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
@@ -30,6 +27,19 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call th
 filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
 S30="python3 -m bench.step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl"
 case "${PART:-1}" in
+tier)  bash scripts/gpu/tier_depth.sh ;;
+seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
+seed32b)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
+probes)
+  timeout 150 python3 scripts/gpu/loop_sync_probe.py --preset seed-mtp --depth 1024 --steps 64 2>&1 | filt \
+    | tee $OUT/loop_sync.txt | tail -3
+  for L in 12 48; do
+    timeout 180 python3 scripts/compile_probe.py --kernels pallas --layers $L --programs step,decode --features plain --out $OUT/compile.jsonl \
+      2>&1 | filt | tail -3
+  done
+  python3 scripts/compile_probe.py --report --out $OUT/compile.jsonl 2>&1 | tee $OUT/compile.txt
+  pack_jaxcache
+  ;;
 1)  # issue 7: fused q/k/v A/B; issue 4: the host tier since commit 1496654 (ring part on the decode kernel,
     # write-only evict), 1K..128K, plain evict first, then the idle-evict cond (its own timeout: a seed4 run with
     # the cond wrote nothing in 300 s)
