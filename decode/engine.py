@@ -304,11 +304,11 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
 
   k > 0 reserves k + 1 scratch slots for speculative overshoot, and any request beside a host tier TIER_SCRATCH
   (so that plain and speculative requests see the same window). Without --kv_resident the ring is the smallest
-  power-of-two bucket from 1024 holding the request (or `ring_start` tokens, then grown); with a fixed R and
-  max_context > R, positions older than the ring's window live in the host tier. With `prefill_cache` a prompt
-  prefilled before under the same ring, tier and chunking is copied instead of run again (Started.reused_s); with
-  expert slots only a prompt that streams whole (every chunk full, `streams_experts`), whose prefill never reads
-  the slots."""
+  power-of-two bucket from 1024 holding the request (or `ring_start` tokens, at least the prompt, then grown);
+  with a fixed R and max_context > R, positions older than the ring's window live in the host tier. With
+  `prefill_cache` a prompt prefilled before under the same ring, tier and chunking is copied instead of run again
+  (Started.reused_s); with expert slots only a prompt that streams whole (every chunk full, `streams_experts`),
+  whose prefill never reads the slots."""
   t_in = time.perf_counter()
   if not prompt:
     raise RequestError("prompt: empty, expected at least one token")
@@ -319,7 +319,7 @@ def start_request(model, prompt: list[int], gen: GenConfig, *, k: int = 0, mtp_w
   if need > max_ctx:
     raise RequestError(f"prompt: {len(prompt)} tokens + max_new_tokens {gen.max_new_tokens} = {need} exceeds "
                        f"max_context {max_ctx}")
-  cap = ring_capacity((ring_start or need) + slack, gen.kv_resident)
+  cap = ring_capacity((max(ring_start, len(prompt)) if ring_start else need) + slack, gen.kv_resident)
   host = None
   if fixed and gen.max_context:
     slack, host = tier_layout(max_ctx, cap, k)

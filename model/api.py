@@ -92,6 +92,9 @@ def forward(params, tokens_T, state: ModelState, *, cfg: ModelConfig, options: O
   layer's attention merges the ring's part with the tier's. A caller whose positions all stay inside the window
   holds the tier out of the call instead (`split_idle_tier`): the trunk then compiles and runs ring-only."""
   ring = state.ring
+  if tokens_T.shape[0] > ring.capacity:
+    raise ValueError(f"forward: {tokens_T.shape[0]} tokens in one call, expected at most the ring's capacity "
+                     f"{ring.capacity} (a call writes each slot at most once)")
   tokens_T = tokens_T.astype(jnp.int32)
   pos = ring.length + jnp.arange(tokens_T.shape[0], dtype=jnp.int32)
   block = _block(ring, attn_block)

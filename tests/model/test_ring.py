@@ -123,6 +123,19 @@ def test_growth_across_buckets_equals_one_large_ring():
   assert grown.ids == big.ids
 
 
+def test_a_first_bucket_smaller_than_the_prompt_still_holds_it():
+  """ring_start below the prompt's length: the first bucket still holds the whole prompt (a prefill into a smaller
+  ring overwrote its oldest positions and decoded other tokens with exit status 0), so the tokens equal one large
+  ring's; a forward pass of more tokens than the ring has slots is refused with a one-line error."""
+  m = _model()
+  prompt = [int(t) for t in np.random.default_rng(2).integers(0, 1024, 1500)]
+  grown = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", ring_start=100)
+  big = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=4096)
+  assert grown.stats["ring_buckets"][0] == 2048 and grown.ids == big.ids
+  with pytest.raises(ValueError, match="forward: 300 tokens in one call, expected at most the ring's capacity 256"):
+    api.prefill(m.params, jnp.zeros((300,), jnp.int32), api.init_state(m.cfg, 256, "int8"), cfg=m.cfg)
+
+
 def test_fixed_ring_that_cannot_hold_the_request_is_refused():
   from decode.engine import RequestError
   with pytest.raises(RequestError, match="exceeds max_context 1024"):
