@@ -55,7 +55,7 @@ flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell w
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
 GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0, "
-              "qmm=P, tier=N (a power of two)")
+              "qmm=P, tier=N, span=N (powers of two)")
 
 
 def glue_options(spec: str):
@@ -68,6 +68,7 @@ def glue_options(spec: str):
                        the permuted view)
     qmm=P              the projections' ops.qmatmul_pallas.Tuning(programs=P) (BN halves to reach P programs)
     tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)
+    span=N             positions per span of it, the pieces a row sees whole (ops.tuning.Tunings.tier_span)
 
   >>> glue_options("on/rope=1")[1].rope_write
   Tuning(q_programs=1, num_warps=None)
@@ -101,9 +102,10 @@ def glue_options(spec: str):
           raise ValueError(val)
         for t in qmatmul_pallas.KERNEL_TYPES:
           proj[t]["programs"] = int(val)
-      elif key == "tier":
-        kw["tier_block"] = int(val)
-        Tunings(tier_block=kw["tier_block"])               # a power of two, else ValueError
+      elif key in ("tier", "span"):
+        name = {"tier": "tier_block", "span": "tier_span"}[key]
+        kw[name] = int(val)
+        Tunings(**{name: kw[name]})                        # a power of two, else ValueError
       else:
         raise ValueError(key)
     except ValueError:

@@ -11,12 +11,13 @@ blocks through the decode kernel); a prefill chunk splits every row at written -
 The tier is indexed by position (slot p), capacity C, same dtype and scales as the ring. On a GPU its arrays
 are placed in pinned host memory (`place_on_host`); on CPU it is ordinary memory unless a test forces the
 kind. Inside the jitted step a tier in host memory takes only dynamic slices and updates: attention slices the
-visited blocks (`tier_block` positions each, live positions only) and moves them to the device, and `evict`
-writes T rows back. On a GPU both parts of attention run on the Pallas kernels: the ring's part as without a
-tier, the tier's block by block (the decode kernel for steps and verify passes, the prefill kernel for prefill
-chunks). Each tier block read crosses PCIe (4 MB per 4,096 positions and layer at int8), the tier's inherent
-cost: a seed-mtp step at 128K depth with a 32,768-slot ring took ~150 ms on the H200 (docs/PERF.md, "The seed
-experiment on the seed-mtp shape").
+visited pieces (spans of `tier_span` positions a row sees whole, then blocks of `tier_block` positions, live
+positions only) and moves them to the device, and `evict` writes T rows back. On a GPU both parts of attention
+run on the Pallas kernels: the ring's part as without a tier, the tier's piece by piece (the decode kernel for
+steps and verify passes, the prefill kernel for prefill chunks). Each piece read crosses PCIe (4 MB per 4,096
+positions and layer at int8 on seed-mtp), the tier's inherent cost: a seed-mtp step at 128K depth with a
+32,768-slot ring reads ~1.2 GB of tier a step, ~26 ms at the ~48 GB/s the H200's copies reach (docs/PERF.md,
+"The host tier at 128K reads its bytes at PCIe speed").
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from model.kv_ring import KVRing, layer_arrays
 from ops.attention import in_host_memory
 
 HOST_BLOCK = 4096          # positions per block of attention over the tier (tier_block)
+HOST_SPAN = 16384          # positions per span, the pieces a row sees whole (tier_span)
 
 
 @struct.dataclass
@@ -88,9 +90,9 @@ def evict_leaving(tier: HostTier, ring: KVRing, pos_T: jax.Array) -> tuple[HostT
 
 
 def tier_block(window: int, attn_block: int, want: int | None = None) -> int:
-  """Positions per block when attention visits the tier: `want` (ops.tuning.Tunings.tier_block) or HOST_BLOCK
-  (few, large host -> device copies), halved until it is at most the ring's window (a block then never runs past
-  the tier's capacity: see HostTier), and at least attn_block.
+  """Positions per block when attention visits the tier: `want` (ops.tuning.Tunings.tier_block) or HOST_BLOCK,
+  halved until it is at most the ring's window (a block then never runs past the tier's capacity: see HostTier),
+  and at least attn_block.
 
   >>> tier_block(32760, 256), tier_block(32760, 256, 16384), tier_block(248, 32), tier_block(248, 32, 16)
   (4096, 16384, 128, 32)
@@ -99,6 +101,18 @@ def tier_block(window: int, attn_block: int, want: int | None = None) -> int:
   while b > window:
     b //= 2
   return max(b, attn_block)
+
+
+def tier_span(block: int, want: int | None = None) -> int:
+  """Positions per span, the large pieces attention takes of the tier where a row sees them whole (see
+  ops.attention.tier_attention): `want` (ops.tuning.Tunings.tier_span) or HOST_SPAN, at least `block` (a power
+  of two at least the block is a multiple of it). A span is read only when some row sees all of it, so it never
+  runs past what was written.
+
+  >>> tier_span(4096), tier_span(4096, 4096), tier_span(128), tier_span(32768, 16384)
+  (16384, 4096, 16384, 32768)
+  """
+  return max(want or HOST_SPAN, block)
 
 
 def host_memory_kind(dev=None) -> str | None:

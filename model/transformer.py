@@ -28,7 +28,7 @@ from model import expert_cache as xc
 from model.common import _init, _ones, _op, _param, _zeros, kernel_mode
 from model.deltanet import GatedDeltaNet
 from model.config import ModelConfig
-from model.host_tier import tier_block
+from model.host_tier import tier_block, tier_span
 from model.kv_ring import KVLayer
 from model.mesh import expert_parallel, head_parallel, heads_split
 from model.options import DEFAULT, Options
@@ -174,7 +174,7 @@ class Attention(nn.Module):
         q_hi = jnp.minimum(pos_T, cache.length + T - cache.window - 1)
       tb = tier_block(cache.window, attn_block, tun and tun.tier_block)
       o2, lse2 = attn_ops.tier_attention(q_THDh, *cache.tier, q_hi, tier_block=tb, block=attn_block, scale=scale,
-                                         tunings=tun)
+                                         tier_span=tier_span(tb, tun and tun.tier_span), tunings=tun)
       o = attn_ops.merge_lse(o1.reshape(T, H, Dh), lse1, o2.reshape(T, H, Dh), lse2)
     return self._out(x_TD, o.reshape(T, H * Dh), wo)
 

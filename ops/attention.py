@@ -117,17 +117,22 @@ def merge_lse_pair(o1, lse1, o2, lse2):
 
 
 def tier_attention(q_THDh, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, block: int, scale: float,
-                   impl: str | None = None, tunings: Tunings | None = None):
+                   tier_span: int | None = None, impl: str | None = None, tunings: Tunings | None = None):
   """Attention of T queries over a host tier (one layer [C, Hkv, Dh], position p in slot p), row t seeing
   positions 0 .. q_hi_T[t] (-1: none): (out [T, Hq, Dh], lse [T, Hq], -inf where nothing is visible).
 
-  The visited blocks of `tier_block` positions move to the device one at a time. With a kernel (impl as
-  ring_attention's) each block runs through it as a ring of one block, and the blocks' partials fold in block
-  order (merge_lse_pair). Decode and verify (T <= MAX_T) take the decode kernel: every row's arithmetic is then
-  its own, the same in a verify pass as in the step at that position (DESIGN invariant 3). Prefill chunks take
+  With a kernel (impl as ring_attention's) the tier moves to the device in pieces, each run through the kernel as
+  a ring of one piece, and the pieces' partials fold in position order (merge_lse_pair). Row t visits the
+  (q_hi_t + 1) // tier_span spans of `tier_span` positions it sees whole, then blocks of `tier_block` positions
+  (tier_span a multiple of tier_block; None: tier_block alone) up to q_hi_t. Few large spans cut the per-piece
+  cost (one copy per array, one kernel call, one loop test each: ~15 us on the H200), the blocks bound what is
+  read past the last visible position. A row's pieces depend on its own q_hi_t alone: a piece the row does not
+  take runs with the row masked (lse -inf), which merge_lse_pair leaves bitwise unchanged, so every row's
+  arithmetic is the one-row call's at its bound. Decode and verify (T <= MAX_T) take the decode kernel, whose
+  rows are independent: a verify pass's rows are then the steps' bitwise (DESIGN invariant 3). Prefill chunks take
   the prefill kernel, which never holds a [T, Hq, block] score array (the reference's is 512 MB per 4,096-position
-  block at T = 1,024 on the seed-mtp shape). Otherwise the reference walks the tier directly. tunings (static): as
-  ring_attention's."""
+  block at T = 1,024 on the seed-mtp shape). Otherwise the reference walks the tier in blocks of tier_block.
+  tunings (static): as ring_attention's."""
   T, Hq, Dh = q_THDh.shape
   C = k.shape[0]
   chosen = impl or default_impl(T, tunings)
@@ -140,18 +145,28 @@ def tier_attention(q_THDh, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, b
         functools.partial(prefill_attention_pallas.prefill_attention_pallas, tuning=pick(tunings, "prefill_attention"))
   if chosen == "ref" or kernel is None:
     return attention_with_lse(q_THDh, k, v, k_scale, v_scale, q_hi_T, C, None, block=tier_block, scale=scale)
-  tb = tier_block
+  tb, ts = tier_block, tier_span or tier_block
+  if ts % tb:
+    raise ValueError(f"tier_attention: tier_span {ts}, expected a multiple of tier_block {tb}")
+  while ts > max(C, tb):                           # a span never runs past the tier (static shapes)
+    ts //= 2
 
-  def body(b, carry):
-    start = b * tb
-    blk = [None if x is None else _rows(x, None, start, tb) for x in (k, v, k_scale, v_scale)]
-    hi = jnp.minimum(q_hi_T, start + tb - 1)        # the block as a ring of tb slots holding [start, start + tb)
-    o, lse = kernel(q_THDh, *blk, hi, start + tb, block=min(block, tb), scale=scale, interpret=chosen == "interpret",
-                    with_lse=True)
+  def piece(start, size, hi_T, carry):             # positions [start, start + size) as a ring of `size` slots
+    blk = [None if x is None else _rows(x, None, start, size) for x in (k, v, k_scale, v_scale)]
+    o, lse = kernel(q_THDh, *blk, jnp.minimum(hi_T, start + size - 1), start + size, block=min(block, size),
+                    scale=scale, interpret=chosen == "interpret", with_lse=True)
     return merge_lse_pair(*carry, o, lse)
 
-  init = (jnp.zeros((T, Hq, Dh), jnp.float32), jnp.full((T, Hq), -jnp.inf, jnp.float32))
-  return jax.lax.fori_loop(0, jnp.maximum(jnp.max(q_hi_T), -1) // tb + 1, body, init)
+  carry = (jnp.zeros((T, Hq, Dh), jnp.float32), jnp.full((T, Hq), -jnp.inf, jnp.float32))
+  spans_T = jnp.zeros_like(q_hi_T)                 # whole spans row t sees
+  if ts > tb:
+    spans_T = (jnp.maximum(q_hi_T, -1) + 1) // ts
+    carry = jax.lax.fori_loop(0, jnp.max(spans_T), lambda j, c: piece(
+        j * ts, ts, jnp.where(j < spans_T, q_hi_T, -1), c), carry)
+  base = jnp.min(spans_T) * ts                     # the first position some row visits in blocks
+  n = (jnp.maximum(jnp.max(q_hi_T) + 1 - base, 0) + tb - 1) // tb
+  return jax.lax.fori_loop(0, n, lambda b, c: piece(
+      base + b * tb, tb, jnp.where(base + b * tb >= spans_T * ts, q_hi_T, -1), c), carry)
 
 
 def merge_lse(o1, lse1, o2, lse2):

@@ -55,9 +55,11 @@ class Tunings:
   router: object = None              # routing: ops.router_pallas.Tuning
   rope_write: object = None          # q/k norm + RoPE + ring write: ops.rope_write_pallas.Tuning
   rmsnorm: object = None             # RMSNorm + residual: ops.rmsnorm_pallas.Tuning
-  # Positions per block of attention over a host tier (model.host_tier.tier_block): each block is one host -> device
-  # copy per array and one kernel call; a power of two. None: model.host_tier.HOST_BLOCK.
+  # Attention over a host tier (ops.attention.tier_attention) reads it in pieces, each one host -> device copy per
+  # array and one kernel call: spans of tier_span positions where a row sees them whole, then blocks of tier_block
+  # positions. Powers of two; None: model.host_tier.HOST_BLOCK and HOST_SPAN.
   tier_block: int | None = None
+  tier_span: int | None = None
   # Attention of decode and verify passes (T <= ops.attention_pallas.MAX_T) and of prefill chunks: "pallas" |
   # "ref" | "interpret" (the kernels in interpret mode, CPU tests); None: "pallas" on a GPU, "ref" elsewhere.
   attention_impl: str | None = None
@@ -68,9 +70,10 @@ class Tunings:
       v = getattr(self, name)
       if v is not None and v not in ATTENTION_IMPLS:
         raise ValueError(f"Tunings: {name} {v!r}, expected one of {ATTENTION_IMPLS} or None")
-    b = self.tier_block
-    if b is not None and (not isinstance(b, int) or b < 1 or b & (b - 1)):
-      raise ValueError(f"Tunings: tier_block {b!r}, expected a power of two or None")
+    for name in ("tier_block", "tier_span"):
+      b = getattr(self, name)
+      if b is not None and (not isinstance(b, int) or b < 1 or b & (b - 1)):
+        raise ValueError(f"Tunings: {name} {b!r}, expected a power of two or None")
 
   def pick(self, field: str, qtype: str):
     """The tuning of kernel `field` for weights of `qtype`: the ByType's entry, or the one value for every type."""

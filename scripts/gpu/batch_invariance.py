@@ -115,15 +115,16 @@ C, tb = 3 * 4096, 4096
 tk = jnp.asarray(rng.integers(-127, 128, (C, Hkv, Dh)), jnp.int8)
 tv = jnp.asarray(rng.integers(-127, 128, (C, Hkv, Dh)), jnp.int8)
 tks, tvs = (jnp.asarray(rng.random((C, Hkv)) * 0.02, jnp.float32) for _ in range(2))
-tier = jax.jit(lambda q, hi: attention.tier_attention(q, tk, tv, tks, tvs, hi, tier_block=tb, block=256,
-                                                      scale=Dh ** -0.5, impl=kern))
-hi = 2 * tb - 2 + jnp.arange(T)                            # rows on both sides of a tier block boundary
-full = tier(q, hi)
-rows = [tier(q[i:i + 1], hi[i:i + 1]) for i in range(T)]
-for j, what in ((0, "out"), (1, "lse")):
-  dd = float(np.max(np.abs(np.asarray(full[j]) - np.concatenate([np.asarray(r[j]) for r in rows]))))
-  print(f"{f'tier attention (kernel per block): {what}':52s} {'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
-        flush=True)
+for span in (None, 2 * tb):                                 # blocks alone; spans of two blocks, then blocks
+  tier = jax.jit(lambda q, hi, span=span: attention.tier_attention(q, tk, tv, tks, tvs, hi, tier_block=tb, block=256,
+                                                                   scale=Dh ** -0.5, impl=kern, tier_span=span))
+  hi = 2 * tb - 2 + jnp.arange(T)                          # rows on both sides of a block (and span) boundary
+  full = tier(q, hi)
+  rows = [tier(q[i:i + 1], hi[i:i + 1]) for i in range(T)]
+  for j, what in ((0, "out"), (1, "lse")):
+    dd = float(np.max(np.abs(np.asarray(full[j]) - np.concatenate([np.asarray(r[j]) for r in rows]))))
+    print(f"{f'tier attention (span {span}): {what}':52s} {'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
+          flush=True)
 
 # the trunk: T decode steps against one T-token forward (the verify pass) from the same prefilled state
 from model.options import Options  # noqa: E402

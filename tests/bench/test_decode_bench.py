@@ -357,13 +357,14 @@ assert t.pick("moe", "Q4_K").down.natural_b == 4 and t.pick("moe", "IQ3_S").gate
 t = step.glue_options("on/xnat=Q4_K:4/qmm=256")[1]
 assert t.pick("qmatmul", "Q8_0").programs == 256 and t.pick("qmatmul", "Q4_K").natural_b == 4
 assert step.glue_options("on/tier=16384")[1].tier_block == 16384 and step.glue_options("on")[1].tier_block is None
+assert step.glue_options("on/tier=4096/span=4096")[1].tier_span == 4096
 o = step.cell_options("on", "bf16x2/16/4/1")
 assert o.tunings.attention_impl == "pallas"
 assert o.tunings.attention == attention_pallas.Tuning(bk=16, num_warps=4, num_stages=1, dots="bf16x2")
 assert step.cell_options("on", "auto", "tf32x3").tunings.attention == attention_pallas.Tuning(dots="tf32x3")
 assert step.cell_options("off", "ref").glue is False and hash(o) == hash(step.cell_options("on", "bf16x2/16/4/1"))
 for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on/xnat=Q9_9:4", "on/qmm=-1",
-            "on/tier=3000", "on/tier=0"):
+            "on/tier=3000", "on/tier=0", "on/span=100"):
   try:
     step.glue_options(bad); raise SystemExit(bad + " accepted")
   except app.UsageError as e:

@@ -171,24 +171,29 @@ def test_host_tier_wrapping_ring_equals_full_cache(kv):
 
 
 def test_host_tier_block_tuning_reaches_the_tier_and_keeps_the_tokens(monkeypatch):
-  """Tunings.tier_block sets the positions per block of attention over the tier (model.host_tier.tier_block: on a
-  1,024-slot ring the default is 512, HOST_BLOCK halved to the window): the tier's calls take it, and the greedy
-  tokens equal one ring holding everything."""
+  """Tunings.tier_block and tier_span set the pieces of attention over the tier (model.host_tier.tier_block: on a
+  1,024-slot ring the default block is 512, HOST_BLOCK halved to the window; tier_span: HOST_SPAN, at least the
+  block): the tier's calls take them, and the greedy tokens equal one ring holding everything. (The pieces
+  themselves: tests/ops/test_attention.py, the tier tests.)"""
+  from model.host_tier import HOST_SPAN
   from ops import attention as attn_ops
   from ops.tuning import Tunings
   real, seen = attn_ops.tier_attention, []
-  monkeypatch.setattr(attn_ops, "tier_attention", lambda *a, **kw: seen.append(kw["tier_block"]) or real(*a, **kw))
+  monkeypatch.setattr(attn_ops, "tier_attention",
+                      lambda *a, **kw: seen.append((kw["tier_block"], kw["tier_span"])) or real(*a, **kw))
   m = _model()
   prompt = [int(t) for t in np.random.default_rng(5).integers(0, 1024, 1040)]
   big = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=2048)
-  for tb, want in ((256, 256), (4096, 512)):         # each its own Options: traced here, never a cached program
+  for tb, ts, want in ((256, 256, (256, 256)), (4096, None, (512, HOST_SPAN))):  # each its own Options: traced here
     seen.clear()
     small = generate(m, prompt, max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=1024, max_context=2048,
-                     options=Options(tunings=Tunings(tier_block=tb)))
-    assert set(seen) == {want}, (tb, seen)
+                     options=Options(tunings=Tunings(tier_block=tb, tier_span=ts)))
+    assert set(seen) == {want}, (tb, ts, seen)
     assert small.ids == big.ids, tb
   with pytest.raises(ValueError, match="tier_block 3000, expected a power of two"):
     Tunings(tier_block=3000)
+  with pytest.raises(ValueError, match="tier_span 100, expected a power of two"):
+    Tunings(tier_span=100)
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])

@@ -339,14 +339,15 @@ def test_tier_attention_per_row_bounds_match_float64(impl, T, monkeypatch):
   for mod, name in ((attention_pallas, "ring_attention_pallas"), (prefill_attention_pallas, "prefill_attention_pallas")):
     real = getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-  for q_hi in ([130, 131, 132, 133], [-1, 0, 63, 64], [-1, -1, -1, -1]):
+  for q_hi, span in (([130, 131, 132, 133], None), ([-1, 0, 63, 64], None), ([-1, -1, -1, -1], None),
+                     ([126, 127, 128, 191], 128), ([-1, 127, 5, 150], 128)):   # rows with and without a whole span
     q_hi = (q_hi * 3)[:T]
     hi = np.asarray(q_hi)
     want, want_lse = _np_attention(q, k, v, np.zeros(T, int), hi, SCALE)
     out, lse = attention.tier_attention(q, jnp.asarray(k), jnp.asarray(v), None, None, jnp.asarray(hi, jnp.int32),
-                                        tier_block=tb, block=32, scale=SCALE, impl=impl)
-    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6, err_msg=str(q_hi))
-    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5, err_msg=str(q_hi))
+                                        tier_block=tb, block=32, scale=SCALE, impl=impl, tier_span=span)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6, err_msg=f"{q_hi} span {span}")
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-5, atol=1e-5, err_msg=f"{q_hi} span {span}")
   want_kernel = {"ref": set(), "interpret": {"ring_attention_pallas" if T <= 8 else "prefill_attention_pallas"}}[impl]
   assert set(calls) == want_kernel, calls
 
@@ -356,7 +357,7 @@ def test_verify_rows_equal_the_steps_bitwise_on_a_wrapped_ring():
   mode; the GPU check is scripts/gpu/batch_invariance.py), where the window's start crosses a key tile inside the
   pass. The strided split schedule makes this hold: with splits of consecutive tiles from the first live one, the
   boundaries moved with the pass's first tile and the rows summed in other groups. The same for the host tier's
-  blocks through the kernel (attention.tier_attention)."""
+  blocks and spans through the kernel (attention.tier_attention), rows on both sides of a boundary."""
   R, T, hkv, G, bk, S = 256, 4, 2, 2, 16, 4
   W = R - T
   L = 2 * R + (bk - 3 - T) % bk                           # row windows start at bk - 2, bk - 1, 0, 1 (mod bk)
@@ -376,11 +377,13 @@ def test_verify_rows_equal_the_steps_bitwise_on_a_wrapped_ring():
   C, tb = 192, 64
   tk = jnp.asarray(rng.standard_normal((C, hkv, DH)), jnp.float32)
   tv = jnp.asarray(rng.standard_normal((C, hkv, DH)), jnp.float32)
-  tier = jax.jit(lambda q, hi: attention.tier_attention(q, tk, tv, None, None, hi, tier_block=tb, block=32,
-                                                        scale=SCALE, impl="interpret"))
-  hi = tb - 2 + jnp.arange(T, dtype=jnp.int32)          # rows on both sides of a tier block boundary
-  full = tier(q, hi)
-  for i in range(T):
-    one = tier(q[i:i + 1], hi[i:i + 1])
-    for a, b in zip(full, one):
-      np.testing.assert_array_equal(np.asarray(a[i:i + 1]), np.asarray(b), err_msg=f"tier row {i}")
+  for span, edge in ((None, tb), (2 * tb, 2 * tb)):      # rows on both sides of a tier block / span boundary
+    tier = jax.jit(lambda q, hi, span=span: attention.tier_attention(q, tk, tv, None, None, hi, tier_block=tb,
+                                                                     block=32, scale=SCALE, impl="interpret",
+                                                                     tier_span=span))
+    hi = edge - 2 + jnp.arange(T, dtype=jnp.int32)
+    full = tier(q, hi)
+    for i in range(T):
+      one = tier(q[i:i + 1], hi[i:i + 1])
+      for a, b in zip(full, one):
+        np.testing.assert_array_equal(np.asarray(a[i:i + 1]), np.asarray(b), err_msg=f"tier row {i}, span {span}")
