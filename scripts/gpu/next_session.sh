@@ -7,6 +7,8 @@
 #
 # Still open, in the order to run them (2026-12-04; each a PART that fits one call; the numbered parts below are
 # earlier sessions' measurements, kept as the commands their PERF sections cite):
+#   spans    issue 26 item 5: the tier's spans A/B at 128K and 40K, their bitwise verify rows on the GPU, replay
+#            rounds at 128K with them (~9 min)
 #   tier     issue 26 item 5: the host tier at 128K (block A/B against the tier-free ring, attention on the host's
 #            CPU, replay rounds beside the tier): scripts/gpu/tier_depth.sh, ~6 min
 #   seed32a  issue 26 item 4: the 32K cell's missing seeds, ring 32,768 (seeds 1, 2 of AS, AR, AN)
@@ -23,10 +25,21 @@
 set -o pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache            # steps of one call that compile the same function
 filt() { tr '\r' '\n' | grep --line-buffered -vE "it/s\]|tensor/s\]|arm/s\]|s/it\]|s/arm\]"; }
 S30="python3 -m bench.step --preset qwen3moe-30b-a3b --steps 32 --repeats 3 --out $OUT/step.jsonl"
 case "${PART:-1}" in
+spans)  # issue 26 item 5: the tier read in spans (HOST_SPAN) against blocks alone (span=4096, the code before) and
+  # spans of 32K, at 128K and at 40K depth (a tier of ~8K positions); the GPU's bitwise verify rows with spans;
+  # replay rounds at 128K beside the tier with the default spans
+  timeout ${TA:-160} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 16 --repeats 3 --out $OUT/spans.jsonl \
+    --cells 32768:131072:auto:pallas:139264,32768:40960:auto:pallas:139264 --glue on,on/span=4096,on/span=32768 \
+    2>&1 | filt | tee $OUT/spans.log | tail -9
+  timeout ${T13:-130} python3 scripts/gpu/batch_invariance.py --preset seed-mtp --layers 4 --proj_types Q8_0 \
+    --moe_types IQ3_S 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/invariance.txt | tail -14
+  timeout ${TC:-230} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --rings 32768 --max_context 139264 \
+    --drafts none,replay@3 --depths 131072 --max_new_tokens 64 --seeds 1 --reuse_prefill \
+    --cells $OUT/replay-spans.jsonl 2>&1 | filt | tee $OUT/replay-spans.log | tail -5
+  (cd $OUT && tar czf logs.tgz *.logs && rm -rf *.logs) ;;
 tier)  bash scripts/gpu/tier_depth.sh ;;
 seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 seed32b)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
