@@ -6,11 +6,16 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 [ -n "$MOEJAX_ENV_QUIET" ] || python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
 # Compiled programs kept across the device calls of a session (each call's machine starts bare; the seed4 cells at
 # depth spent 300-400 s a call compiling): jax's persistent cache in .jaxcache (ignored by git). A script ends with
-# `pack_jaxcache` (below): $OUT/jaxcache.tgz, unpacked here into .jaxcache and named in the next call's carry.
+# `pack_jaxcache` (below): $OUT/jaxcache.tgz when the compressed cache is under the 16 MiB a returned file may
+# hold (the cache itself came to 48 MiB after one seed4 call, over the carry's room beside the tree). Copy it
+# here as .jaxcache.tgz (ignored) and name that in the next call's carry: it is unpacked here first.
 mkdir -p .jaxcache
+[ -f .jaxcache.tgz ] && tar xzf .jaxcache.tgz
 export JAX_COMPILATION_CACHE_DIR=$PWD/.jaxcache
-pack_jaxcache() {      # under the 16 MiB a returned file may hold, else only its size is said
+pack_jaxcache() {
   local mb; mb=$(du -sm .jaxcache | cut -f1)
-  if [ "$mb" -lt 15 ]; then tar czf $OUT/jaxcache.tgz .jaxcache; fi
-  echo "jax cache: ${mb} MiB in $(ls .jaxcache | wc -l) entries$([ "$mb" -lt 15 ] || echo ', too big to return')"
+  tar czf $OUT/jaxcache.tgz .jaxcache
+  local gz; gz=$(( $(stat -c %s $OUT/jaxcache.tgz) / 1048576 ))
+  [ "$gz" -lt 15 ] || rm -f $OUT/jaxcache.tgz
+  echo "jax cache: ${mb} MiB in $(ls .jaxcache | wc -l) entries, ${gz} MiB compressed$([ "$gz" -lt 15 ] || echo ', too big to return')"
 }

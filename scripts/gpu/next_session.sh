@@ -5,20 +5,16 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open, in the order to run them (2026-12-04; each a PART that fits one call; the numbered parts below are
-# earlier sessions' measurements, kept as the commands their PERF sections cite):
-#   spans    issue 26 item 5: the tier's spans A/B at 128K and 40K, their bitwise verify rows on the GPU, replay
-#            rounds at 128K with them (~9 min)
-#   tier     issue 26 item 5: the host tier at 128K (block A/B against the tier-free ring, attention on the host's
-#            CPU, replay rounds beside the tier): scripts/gpu/tier_depth.sh, ~6 min
-#   seed32a  issue 26 item 4: the 32K cell's missing seeds, ring 32,768 (seeds 1, 2 of AS, AR, AN)
-#   seed32b  the same, ring 49,152 (seed 2 of BS, BR, BN)
-#   probes   issue 27: the decode loop's per-step test (scripts/gpu/loop_sync_probe.py) and compile against layers
-#            (scripts/compile_probe.py --kernels pallas, 12 against 48 layers: is a scan over layer groups the lever)
+# Still open, in the order to run them (2026-12-04, evening; each a PART that fits one call; run since: tier,
+# seed32a, spans and the loop probe, PERF "The host tier read in spans"; the numbered parts below are earlier
+# sessions' measurements, kept as the commands their PERF sections cite):
+#   seed32b  issue 26 item 4: the 32K cell's seed 2 on the 49,152 ring (BS, BR, BN); ~7 min (compile ~330 s)
+#   probes   issue 27: compile against layers (scripts/compile_probe.py --kernels pallas, 12 against 48 layers: is a
+#            scan over layer groups the lever); its loop_sync_probe step measured +2.0 % (no lever)
 #   seed128  issue 26 item 4 at 128K, one ring and seed a call: ONLY=AS,AR,AN FIRST=0 SEEDS=1 DEPTH=131072 (then
-#            FIRST=1, 2, then the other ring); after seed32a/b have shown what compile_all and .jaxcache save
-# Every call: carry [".whl", ".jaxcache"] once a call has returned $OUT/jaxcache.tgz (unpack it in the repo root),
-# and set MOEJAX_COMMIT to the commit (the device copy's git is stale).
+#            FIRST=1, 2, then the other ring)
+# Every call: carry [".whl", ".jaxcache.tgz"] once a call has returned $OUT/jaxcache.tgz (copy it to .jaxcache.tgz in
+# the repo root; env.sh unpacks it), and set MOEJAX_COMMIT to the commit (the device copy's git is stale).
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
@@ -44,8 +40,6 @@ tier)  bash scripts/gpu/tier_depth.sh ;;
 seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 seed32b)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 probes)
-  timeout 150 python3 scripts/gpu/loop_sync_probe.py --preset seed-mtp --depth 1024 --steps 64 2>&1 | filt \
-    | tee $OUT/loop_sync.txt | tail -3
   for L in 12 48; do
     timeout 180 python3 scripts/compile_probe.py --kernels pallas --layers $L --programs step,decode --features plain --out $OUT/compile.jsonl \
       2>&1 | filt | tail -3
