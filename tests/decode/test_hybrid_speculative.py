@@ -86,3 +86,26 @@ def test_sampled_verification_with_rollback_equals_greedy_under_a_one_token_nucl
                            kv_resident=1024, temperature=0.7, top_p=1e-6, seed=3, replay_ids=_corrupt(plain))
   assert r.ids == plain
   assert 0 < sum(r.stats["drafts_accepted"]) < sum(r.stats["drafts_proposed"])
+
+
+def test_rounds_beside_a_tier_read_in_spans_on_the_kernels_equal_plain_greedy(monkeypatch):
+  """Attention on the decode kernel (interpret mode) beside a host tier read in spans of 512 positions and blocks
+  of 256 (Tunings.tier_span, tier_block): the verify passes' rows cross the tier's first span boundary (positions
+  ~760 of a 740-token prompt on a 256-slot ring), where rows of one pass take the tier in different pieces. Replay
+  drafts wrong at every third token (the DeltaNet state rolls back to the middle of passes) emit plain greedy
+  decoding's tokens on the same kernels and tier."""
+  from model.options import Options
+  from ops import attention_pallas
+  from ops.tuning import Tunings
+  real, pieces = attention_pallas.ring_attention_pallas, set()
+  monkeypatch.setattr(attention_pallas, "ring_attention_pallas",
+                      lambda *a, **kw: pieces.add(a[1].shape[0]) or real(*a, **kw))
+  m = _model("qwen3next")
+  prompt = _prompt(740, seed=6)
+  kw = dict(max_new_tokens=32, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
+            options=Options(tunings=Tunings(attention_impl="interpret", tier_block=256, tier_span=512)))
+  plain = generate(m, prompt, **kw).ids
+  r = speculative_generate(m, prompt, drafter="replay", k=3, replay_ids=_corrupt(plain), **kw)
+  assert r.ids == plain
+  assert 0 < sum(r.stats["drafts_accepted"]) < sum(r.stats["drafts_proposed"])
+  assert 512 in pieces, pieces                  # the tier's spans ran through the kernel
