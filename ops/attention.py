@@ -116,6 +116,21 @@ def merge_lse_pair(o1, lse1, o2, lse2):
   return o, jnp.where(tot > 0, M + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
 
 
+def tier_pieces(capacity: int, tier_block: int, tier_span: int | None = None) -> tuple[int, int]:
+  """(block, span) in positions: the pieces tier_attention reads a tier of `capacity` positions in. The span
+  (None: the block, i.e. blocks alone) is halved until it fits the tier, and is at least the block.
+
+  >>> tier_pieces(139272, 4096, 16384), tier_pieces(1032, 256, 16384), tier_pieces(1032, 256)
+  ((4096, 16384), (256, 1024), (256, 256))
+  """
+  tb, ts = tier_block, tier_span or tier_block
+  if ts % tb:
+    raise ValueError(f"tier_attention: tier_span {ts}, expected a multiple of tier_block {tb}")
+  while ts > max(capacity, tb):                    # a span never runs past the tier (static shapes)
+    ts //= 2
+  return tb, ts
+
+
 def tier_attention(q_THDh, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, block: int, scale: float,
                    tier_span: int | None = None, impl: str | None = None, tunings: Tunings | None = None):
   """Attention of T queries over a host tier (one layer [C, Hkv, Dh], position p in slot p), row t seeing
@@ -145,11 +160,7 @@ def tier_attention(q_THDh, k, v, k_scale, v_scale, q_hi_T, *, tier_block: int, b
         functools.partial(prefill_attention_pallas.prefill_attention_pallas, tuning=pick(tunings, "prefill_attention"))
   if chosen == "ref" or kernel is None:
     return attention_with_lse(q_THDh, k, v, k_scale, v_scale, q_hi_T, C, None, block=tier_block, scale=scale)
-  tb, ts = tier_block, tier_span or tier_block
-  if ts % tb:
-    raise ValueError(f"tier_attention: tier_span {ts}, expected a multiple of tier_block {tb}")
-  while ts > max(C, tb):                           # a span never runs past the tier (static shapes)
-    ts //= 2
+  tb, ts = tier_pieces(C, tier_block, tier_span)
 
   def piece(start, size, hi_T, carry):             # positions [start, start + size) as a ring of `size` slots
     blk = [None if x is None else _rows(x, None, start, size) for x in (k, v, k_scale, v_scale)]

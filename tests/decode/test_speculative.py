@@ -202,7 +202,8 @@ def test_plain_and_speculative_requests_beside_a_tier_share_one_window():
 
 def test_memory_plan_counts_the_host_tier_the_engine_allocates():
   """kv_plan's host tier item is the bytes of the tier a request allocates: indexed by position, max_context plus
-  the scratch slots (it said max_context - ring before, 1.6 GB short of the 6.9 GB tier of a seed4 arm)."""
+  the scratch slots (it said max_context - ring before, 1.6 GB short of the 6.9 GB tier of a seed4 arm); its
+  "tier pieces" item the largest piece of it that attention moves to the device."""
   from decode import engine
   from decode.kv_plan import make_plan
   m = _model()
@@ -211,6 +212,11 @@ def test_memory_plan_counts_the_host_tier_the_engine_allocates():
     host = engine.start_request(m, _prompt(300, seed=7), gen, k=k).state.host
     plan = make_plan(m.cfg, weight_bytes=0, ring=256, kv="int8", max_context=1024, k=k)
     assert plan.get("host tier") == sum(x.nbytes for x in jax.tree.leaves(host)) > 0
+    # the largest piece attention moves to the device: one layer's span, the default 16,384 halved to fit the
+    # tier of 1,032 positions, 1,024 (ops.attention.tier_pieces)
+    C = host.k[0].shape[0]
+    per_position = sum(a[0].nbytes for a in (host.k, host.v, host.k_scale, host.v_scale)) // C
+    assert C == 1032 and plan.get("tier pieces") == 1024 * per_position > 0
   # an auto ring grows to hold the request and never gets a tier: the plan lists none
   auto = dataclasses.replace(gen, kv_resident=None)
   started = engine.start_request(m, _prompt(300, seed=7), auto, k=3)

@@ -53,7 +53,8 @@ def test_a_tuning_is_a_jit_static_argument():
   assert moe_pallas.Tuning(ks=2) == moe_pallas.Tuning(ks=2) and hash(moe_pallas.Tuning(ks=2)) is not None
 
 
-@pytest.mark.parametrize("module", ["ops.tuning", "ops.qgemm_pallas", "ops.prefill_attention_pallas", "model.host_tier"])
+@pytest.mark.parametrize("module", ["ops.tuning", "ops.qgemm_pallas", "ops.prefill_attention_pallas", "model.host_tier",
+                                    "ops.attention"])
 def test_docstring_examples_run(module):
   res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   assert res.failed == 0 and res.attempted > 0
