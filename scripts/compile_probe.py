@@ -22,7 +22,10 @@ One JSON line per cell to --out (appended); --report prints the table of the lin
   .venv/bin/python scripts/compile_probe.py --layers 48 --programs prefill8,decode,spec --out /tmp/probe.jsonl
   .venv/bin/python scripts/compile_probe.py --report --out /tmp/probe.jsonl
 On a GPU, `--kernels pallas --layers 12` against `--layers 48` shows whether compile time grows with the layers
-(each layer's Pallas calls compiled anew) or not.
+(each layer's Pallas calls compiled anew) or not (docs/PERF.md, 2026-12-04: +0.13 s a layer at tiny widths);
+`--widths seed-mtp` runs the same programs at the real model's widths (its kernels' real shapes), e.g.
+  python3 scripts/compile_probe.py --kernels pallas --widths seed-mtp --layers 48 --experts 64 \
+      --programs prefill8,prefillB,step,verify,decode,spec --features cache+tier
 """
 from __future__ import annotations
 
@@ -45,13 +48,15 @@ FEATURES = ("plain", "cache", "tier", "cache+tier")
 
 
 def build(args):
-  """The tiny seed-mtp-structured config and its random IQ3_S / Q8_0 params (fused as load_model fuses them)."""
-  from configs.presets import TINY_QWEN3NEXT
+  """The seed-mtp-structured config (tiny widths, or --widths seed-mtp: the real model's widths) and its random
+  IQ3_S / Q8_0 params (fused as load_model fuses them)."""
+  from configs.presets import TINY_QWEN3NEXT, preset
   from model.api import fuse_qkv
   from model.writer import quant_policy, random_params
   from ops.qtensor import with_kernels
   L = args.layers
-  cfg = dataclasses.replace(TINY_QWEN3NEXT, n_layers=L, recurrent=tuple((i + 1) % 4 != 0 for i in range(L)),
+  base = TINY_QWEN3NEXT if args.widths == "tiny" else preset(args.widths)
+  cfg = dataclasses.replace(base, n_layers=L, recurrent=tuple((i + 1) % 4 != 0 for i in range(L)),
                             n_experts=args.experts, top_k=args.top_k, n_nextn=1)
   params = fuse_qkv(random_params(cfg, types=quant_policy(args.expert_type, "Q8_0")))
   if args.kernels != "xla":
@@ -148,17 +153,19 @@ def probe(name: str, feature: str, model, args) -> dict:
               compile_s=round(t2 - t1, 3), run_s=round(t3 - t2, 3), run2_s=run2, hlo_lines=len(text.splitlines()),
               opt_hlo_lines=opt_lines, whiles=text.count("stablehlo.while"), cases=text.count("stablehlo.case"),
               experts=args.experts, top_k=args.top_k, slots=args.slots, ring=args.ring, max_context=args.max_context,
-              k=args.k, kernels=args.kernels, big_chunk=args.big_chunk)
+              k=args.k, kernels=args.kernels, big_chunk=args.big_chunk, widths=args.widths)
 
 
 def report(path: str) -> None:
   rows = [json.loads(line) for line in open(path) if line.strip()]
-  print("| program | feature | layers | HLO lines | opt HLO lines | while / case | lower s | compile s | run s "
-        "| run2 s |")
-  print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-  for r in sorted(rows, key=lambda r: (PROGRAMS.index(r["program"]), r["layers"], FEATURES.index(r["feature"]))):
+  print("| program | feature | widths | layers | HLO lines | opt HLO lines | while / case | lower s | compile s "
+        "| run s | run2 s |")
+  print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+  for r in sorted(rows, key=lambda r: (PROGRAMS.index(r["program"]), r.get("widths", "tiny"), r["layers"],
+                                       FEATURES.index(r["feature"]))):
     extra = "" if r.get("skip_idle_tier") is None else f" skip_idle={r['skip_idle_tier']}"
-    print(f"| {r['program']} | {r['feature']}{extra} | {r['layers']} | {r['hlo_lines']} | {r['opt_hlo_lines']} | "
+    print(f"| {r['program']} | {r['feature']}{extra} | {r.get('widths', 'tiny')} | {r['layers']} | {r['hlo_lines']} | "
+          f"{r['opt_hlo_lines']} | "
           f"{r['whiles']} / {r['cases']} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | {r['run_s']:.2f} | "
           f"{r.get('run2_s') if r.get('run2_s') is not None else '-'} |")
 
@@ -166,6 +173,8 @@ def report(path: str) -> None:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--layers", type=int, default=12, help="trunk layers (one attention layer in four)")
+  p.add_argument("--widths", default="tiny", help="tiny, or a hybrid preset whose widths the model takes (seed-mtp: "
+                 "the real kernels' shapes; on a GPU, with --experts small enough to fit)")
   p.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma list of {','.join(PROGRAMS)}")
   p.add_argument("--features", default=",".join(FEATURES), help=f"comma list of {','.join(FEATURES)}")
   p.add_argument("--experts", type=int, default=64, help="routed experts (E: 8 * top_k <= E keeps 8-token chunks "

@@ -9,8 +9,8 @@
 # seed32a, spans and the loop probe, PERF "The host tier read in spans"; the numbered parts below are earlier
 # sessions' measurements, kept as the commands their PERF sections cite):
 #   seed32b  issue 26 item 4: the 32K cell's seed 2 on the 49,152 ring (BS, BR, BN); ~7 min (compile ~330 s)
-#   probes   issue 27: compile against layers (scripts/compile_probe.py --kernels pallas, 12 against 48 layers: is a
-#            scan over layer groups the lever); its loop_sync_probe step measured +2.0 % (no lever)
+#   probes   which programs of a seed4 request take its compiling run's time, at seed-mtp widths
+#            (scripts/compile_probe.py --widths seed-mtp); compile against layers and the loop test are measured
 #   seed128  issue 26 item 4 at 128K, one ring and seed a call: ONLY=AS,AR,AN FIRST=0 SEEDS=1 DEPTH=131072 (then
 #            FIRST=1, 2, then the other ring)
 # Every call: carry [".whl", ".jaxcache.tgz"] once a call has returned $OUT/jaxcache.tgz (copy it to .jaxcache.tgz in
@@ -39,13 +39,12 @@ spans)  # issue 26 item 5: the tier read in spans (HOST_SPAN) against blocks alo
 tier)  bash scripts/gpu/tier_depth.sh ;;
 seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 seed32b)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
-probes)
-  for L in 12 48; do
-    timeout 180 python3 scripts/compile_probe.py --kernels pallas --layers $L --programs step,decode --features plain --out $OUT/compile.jsonl \
-      2>&1 | filt | tail -3
-  done
+probes)  # issue 27 / item 4's compiling runs: which programs of a seed4 request take the compile time at the real
+  # model's widths (the layer count does not: PERF "The host tier read in spans", compile against layers)
+  timeout ${TP:-420} python3 scripts/compile_probe.py --kernels pallas --widths seed-mtp --layers 48 --experts 64 \
+    --top_k 10 --slots 1024 --ring 4096 --max_context 16384 --programs prefill8,prefillB,step,verify,decode,spec \
+    --features plain,cache+tier --out $OUT/compile.jsonl 2>&1 | filt | tail -3
   python3 scripts/compile_probe.py --report --out $OUT/compile.jsonl 2>&1 | tee $OUT/compile.txt
-  pack_jaxcache
   ;;
 1)  # issue 7: fused q/k/v A/B; issue 4: the host tier since commit 1496654 (ring part on the decode kernel,
     # write-only evict), 1K..128K, plain evict first, then the idle-evict cond (its own timeout: a seed4 run with
