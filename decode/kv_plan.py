@@ -3,8 +3,9 @@
 Items (device unless noted): weights, expert cache slots, main ring (mode 0; a hybrid model's attention layers
 only), the recurrent state of a hybrid model's DeltaNet layers and, with k drafts, the k + 1 per-token states a
 verify pass keeps for its rollback, host tier (mode 1, pinned host memory) and the largest piece of one layer's
-tier that attention moves to the device ("tier pieces"), drafter ring (mode 2, sized from --mtp_window), workspace; with expert slots and prefill chunks that stream each block's experts, "streamed experts"
-(phase "prefill": live before the slots are allocated, so the device holds the larger of the two, not both);
+tier that attention moves to the device ("tier pieces"), drafter ring (mode 2, sized from --mtp_window),
+workspace; with expert slots and prefill chunks that stream each block's experts, "streamed experts" (phase
+"prefill": live before the slots are allocated, so the device holds the larger of the two, not both);
 free = budget - the device at its fullest. A plan over the budget is refused with a one-line error naming the
 largest items. Under a mesh (model.mesh) the plan has a row per device (its share of the params, the
 replicated rest) and is refused naming the first device over the budget.
@@ -189,14 +190,14 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
       items.append(Item("verify states", (k + 1) * state_bytes(cfg)))
   if fixed_ring and max_context and max_context > ring:
     from decode.engine import tier_layout     # indexed by position: max_context plus the scratch slots
-    tier = tier_layout(max_context, ring, k)[1]
+    scratch, tier = tier_layout(max_context, ring, k)
     items.append(Item("host tier", tier * kv_bytes_per_token(cfg, n_attn, kv), "host", mode=1))
     # attention moves the tier to the device one piece of one layer at a time (ops.attention.tier_attention): the
     # largest piece, a span at the default tunings (model.host_tier), is on the device while it runs
     from model.host_tier import tier_block, tier_span
     from model.state import ATTN_BLOCK
     from ops.attention import tier_pieces
-    tb = tier_block(ring - tier_layout(max_context, ring, k)[0], ATTN_BLOCK)
+    tb = tier_block(ring - scratch, ATTN_BLOCK)
     items.append(Item("tier pieces", max(tier_pieces(tier, tb, tier_span(tb))) * kv_bytes_per_token(cfg, 1, kv)))
   if cfg.n_nextn and mtp_window:
     items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv) // kv_shards,

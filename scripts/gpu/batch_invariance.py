@@ -131,7 +131,8 @@ from model.options import Options  # noqa: E402
 from ops.tuning import Tunings  # noqa: E402
 # on CPU the decode attention kernel in interpret mode for T <= 8, as on the GPU (prefill: the reference)
 BASE = Options(tunings=Tunings(attention_impl="interpret")) if cpu else Options()
-small = dataclasses.replace(cfg, n_layers=a.layers, **({"recurrent": cfg.recurrent[:a.layers]} if cfg.is_hybrid else {}))
+cut = {"recurrent": cfg.recurrent[:a.layers]} if cfg.is_hybrid else {}    # a hybrid's per-layer flags
+small = dataclasses.replace(cfg, n_layers=a.layers, **cut)
 params = with_kernels(api.fuse_qkv(random_params(small, types=quant_policy("IQ3_S", "Q8_0"))), kern)
 prompt = jnp.asarray(rng.integers(0, small.vocab_size, 40), jnp.int32)
 toks = jnp.asarray(rng.integers(0, small.vocab_size, T), jnp.int32)

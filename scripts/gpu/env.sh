@@ -10,7 +10,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # hold (the cache itself came to 48 MiB after one seed4 call, over the carry's room beside the tree). Copy it
 # here as .jaxcache.tgz (ignored) and name that in the next call's carry: it is unpacked here first.
 mkdir -p .jaxcache
-[ -f .jaxcache.tgz ] && tar xzf .jaxcache.tgz
+if [ -f .jaxcache.tgz ]; then tar xzf .jaxcache.tgz; fi
 export JAX_COMPILATION_CACHE_DIR=$PWD/.jaxcache
 pack_jaxcache() {
   local mb; mb=$(du -sm .jaxcache | cut -f1)
