@@ -13,8 +13,8 @@
 #            (scripts/compile_probe.py --widths seed-mtp); compile against layers and the loop test are measured
 #   seed128  issue 26 item 4 at 128K, one ring and seed a call: ONLY=AS,AR,AN FIRST=0 SEEDS=1 DEPTH=131072 (then
 #            FIRST=1, 2, then the other ring)
-# Every call: carry [".whl", ".jaxcache.tgz"] once a call has returned $OUT/jaxcache.tgz (copy it to .jaxcache.tgz in
-# the repo root; env.sh unpacks it), and set MOEJAX_COMMIT to the commit (the device copy's git is stale).
+# Every call: carry [".whl", ".jaxcache.tgz"] once a call has returned $OUT/jaxcache.tgz.NN (join the pieces into
+# .jaxcache.tgz in the repo root; env.sh unpacks it), and set MOEJAX_COMMIT to the commit (the device copy's git is stale).
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
