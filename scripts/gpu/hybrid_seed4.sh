@@ -33,4 +33,4 @@ timeout ${TO:-560} python3 -m bench.cells --preset seed-mtp --in_memory --kernel
 #   python scripts/gpu/trace_summary.py <arm>/plugins/profile/*/perfetto_trace.json.gz --steps 31 --gaps 50
 [ -z "$PROFILE" ] || { tar czf $OUT/prof.tgz -C $OUT prof && rm -rf $OUT/prof; }
 (cd $OUT && tar czf logs.tgz *.logs && rm -rf *.logs)
-pack_jaxcache
+report_jaxcache

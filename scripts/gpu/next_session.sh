@@ -5,16 +5,17 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open, in the order to run them (2026-12-04, evening; each a PART that fits one call; run since: tier,
-# seed32a, spans and the loop probe, PERF "The host tier read in spans"; the numbered parts below are earlier
-# sessions' measurements, kept as the commands their PERF sections cite):
-#   seed32b  issue 26 item 4: the 32K cell's seed 2 on the 49,152 ring (BS, BR, BN); ~7 min (compile ~330 s)
-#   probes   which programs of a seed4 request take its compiling run's time, at seed-mtp widths
-#            (scripts/compile_probe.py --widths seed-mtp); compile against layers and the loop test are measured
-#   seed128  issue 26 item 4 at 128K, one ring and seed a call: ONLY=AS,AR,AN FIRST=0 SEEDS=1 DEPTH=131072 (then
-#            FIRST=1, 2, then the other ring)
-# Every call: carry [".whl", ".jaxcache.tgz"] once a call has returned $OUT/jaxcache.tgz.NN (join the pieces into
-# .jaxcache.tgz in the repo root; env.sh unpacks it), and set MOEJAX_COMMIT to the commit (the device copy's git is stale).
+# Still open, in the order to run them (2026-12-04, night; each a PART that fits one call; run since: seed128a, PERF
+# "The seed's experiment at 128K"; the numbered parts below are earlier sessions' measurements, kept as the
+# commands their PERF sections cite). Run a ring's calls back to back: a warm machine keeps .jaxcache between calls
+# (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
+#   seed128c  issue 26 item 4 at 128K: ring 49,152 seed 1 (BS, BR, BN); ~9 min cold
+#   seed128d  the same ring's seed 2, right after seed128c (~6 min warm)
+#   seed128b  ring 32,768 seed 2 of AR and AN (AS has its three seeds); ~9 min cold
+#   seed32b   the 32K cell's seed 2 on the 49,152 ring (BS, BR, BN); ~7 min cold (compile ~330 s)
+#   probes    which programs of a seed4 request take its compiling run's time, at seed-mtp widths
+#             (scripts/compile_probe.py --widths seed-mtp); compile against layers and the loop test are measured
+# Every call: carry [".whl"] and set MOEJAX_COMMIT to the commit (the device copy's git is stale).
 # Outputs: write every step's lines to a file under $OUT with tee (a call that times out returns files, not stdout).
 # Since commit d45edc3 a seed-mtp bench arm without slots compiles in ~35 s; with slots a first run takes
 # 110-150 s (compile + prefill through slots at 24-80 tok/s).
@@ -39,6 +40,9 @@ spans)  # issue 26 item 5: the tier read in spans (HOST_SPAN) against blocks alo
 tier)  bash scripts/gpu/tier_depth.sh ;;
 seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 seed32b)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
+seed128b)  ONLY=AR,AN FIRST=2 SEEDS=1 JOBS=2 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
+seed128c)  ONLY=BS,BR,BN FIRST=1 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
+seed128d)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 probes)  # issue 27 / item 4's compiling runs: which programs of a seed4 request take the compile time at the real
   # model's widths (the layer count does not: PERF "The host tier read in spans", compile against layers)
   timeout ${TP:-420} python3 scripts/compile_probe.py --kernels pallas --widths seed-mtp --layers 48 --experts 64 \

@@ -16,4 +16,4 @@ timeout ${TB:-60} python3 scripts/gpu/host_attention_probe.py 2>&1 | tee $OUT/ho
 timeout ${TC:-300} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --rings 32768 --max_context 139264 \
   --drafts none,replay@3 --depths ${DEPTH:-131072} --max_new_tokens ${NEW:-64} --seeds 1 --reuse_prefill \
   --cells $OUT/replay-tier.jsonl 2>&1 | filt | tee $OUT/replay-tier.log | tail -14
-pack_jaxcache
+report_jaxcache
