@@ -4,7 +4,7 @@ mix for sm_90, from the Triton IR that Pallas emits on this CPU-only jaxlib.
 Two steps, two Python environments (jaxlib does not ship Triton's Python compiler; the pip `triton` wheel does,
 with ptxas and cuobjdump inside it):
 
-  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention] [--precision P: f32 | bf16 (default,
+  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention,dp4a] [--precision P: f32 | bf16 (default,
       the GPU's)]   # project venv: DIR/<kernel>.ttir
   TRITON_ALWAYS_COMPILE=1 /path/to/venv-with-triton/bin/python scripts/kernel_sass.py compile DIR
 
@@ -59,6 +59,17 @@ def _cases(names, precision="bf16"):
     k1, s1 = S((4096, 4, 128), jnp.int8), S((4096, 4), jnp.float32)
     yield ("prefill_attention", functools.partial(prefill_attention_pallas.prefill_attention_pallas, block=256, scale=0.088),
            (S((1024, 32, 128), jnp.float32), k1, k1, s1, s1, S((1024,), jnp.int32), S((), jnp.int32)))
+  if "dp4a" in names:                   # issue 27: matvecs with 8-bit x and dp4a (scripts/gpu/dp4a_probe.py), B = 1
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+    from dp4a_probe import dp4a_matvec
+    from ops import qmatmul_pallas
+    x1 = jax.ShapeDtypeStruct((2048,), jnp.float32)
+    for q in ("IQ3_S", "Q4_K"):
+      w = _abstract_qtensor(q, (5120, 2048))
+      yield f"qmatmul_{q}_B1", (lambda x, w: qmatmul_pallas.qmatmul_pallas(x[None], w)), (x1, w)
+      for BN, S in ((16, 2), (16, 8)):
+        yield (f"dp4a_{q}_BN{BN}_S{S}", functools.partial(lambda x, p, q, BN, S: dp4a_matvec(x, p, qtype=q, BN=BN, S=S),
+                                                          q=q, BN=BN, S=S), (x1, tuple(w.planes)))
   if "grouped" in names:
     ids = jax.ShapeDtypeStruct((1024, 8), jnp.int32)
     wk = jax.ShapeDtypeStruct((1024, 8), jnp.float32)

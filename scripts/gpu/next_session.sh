@@ -9,6 +9,8 @@
 # "The seed's experiment at 128K"; the numbered parts below are earlier sessions' measurements, kept as the
 # commands their PERF sections cite). Run a ring's calls back to back: a warm machine keeps .jaxcache between calls
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
+#   dp4a      issue 27: IQ3_S and Q4_K matvecs with 8-bit x and dp4a (scripts/gpu/dp4a_probe.py) checked compiled,
+#             then timed against the shipped kernel, interleaved; ~2 min. First: it decides the next kernel work
 #   seed128c  issue 26 item 4 at 128K: ring 49,152 seed 1 (BS, BR, BN); ~9 min cold
 #   seed128d  the same ring's seed 2, right after seed128c (~6 min warm)
 #   seed128b  ring 32,768 seed 2 of AR and AN (AS has its three seeds); ~9 min cold
@@ -40,6 +42,8 @@ spans)  # issue 26 item 5: the tier read in spans (HOST_SPAN) against blocks alo
 tier)  bash scripts/gpu/tier_depth.sh ;;
 seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 seed32b)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
+dp4a)  timeout ${TD:-300} python3 scripts/gpu/dp4a_probe.py --check --time 2>&1 | grep -vE "^(W|I)[0-9]" \
+  | tee $OUT/dp4a.txt ;;
 seed128b)  ONLY=AR,AN FIRST=2 SEEDS=1 JOBS=2 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 seed128c)  ONLY=BS,BR,BN FIRST=1 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 seed128d)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
