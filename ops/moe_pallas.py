@@ -10,6 +10,8 @@ For T <= 16 tokens with top-X routing, P = T*X (token, expert) pairs, p = t*X + 
      Optionally (Tuning.ks > 1) D is split over KS programs per row tile and pair; they write partial sums that
      XLA adds in a fixed order before SiLU(g) * u (more programs in flight at B = 1, where the grid is only
      F / BN x X programs).
+     Optionally (Tuning.x8) the program reads x rounded to 8 bits per 32 values and sums with integer dots
+     (ops/dot8's tiles, IQ3_S and Q4_K): XLA rounds x once per call; h and down stay float.
   2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
      y[p, rows] = w[p] * (down[e] . h[p]). The X partial rows of a token are summed afterwards in a fixed order
      (a [T, X, D] -> [T, D] reduction XLA fuses), so the result is deterministic and every program is short:
@@ -32,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ops import dot8, quant, repack
 from ops import qmatmul_pallas as qp
-from ops import quant, repack
 from ops.tuning import fill
 
 F32, I32 = jnp.float32, jnp.int32
@@ -42,10 +44,13 @@ F32, I32 = jnp.float32, jnp.int32
 class Tuning(NamedTuple):
   """The gate/up and down kernels' tiles (qmatmul_pallas.Tuning; fields left None take `TUNING[kernel, qtype]`)
   and ks, a split of gate/up's D blocks over KS programs (a power of two dividing them; None or 1: off): at B = 1
-  it multiplies the programs in flight by KS, and XLA adds the KS partial sums."""
+  it multiplies the programs in flight by KS, and XLA adds the KS partial sums. x8: gate/up reads x rounded to
+  8 bits and sums with integer dots (ops/dot8: "dp4a" the PTX instruction, CUDA only; "int" its int32 emulation;
+  None: the float tiles), for the types of dot8.TILES."""
   gateup: qp.Tuning | None = None
   down: qp.Tuning | None = None
   ks: int | None = None
+  x8: str | None = None
 
 
 # (kernel, qtype) -> tile: the type's qmatmul tile with the S of each kernel; "gateup" tiles F rows of gate and up,
@@ -62,8 +67,12 @@ def _lead(lid_ref, e):
   return (e,) if lid_ref is None else (lid_ref[0], e)
 
 
-def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_qtype, stacked,
-                   KS, natural, natural_h, skip):
+def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_qtype, stacked, KS, natural,
+                   natural_h, skip, x8, interpret):
+  if x8:
+    xw_ref, dx_ref, xs_ref, tab_ref, *refs = refs
+  else:
+    x_ref, tab_ref, *refs = refs
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   if KS > 1:
     *w_refs, g_ref, u_ref = refs
@@ -82,6 +91,11 @@ def _gateup_kernel(ids_ref, x_ref, tab_ref, *refs, qtype, names, X, F, BN, S, nb
 
   def tile_sums(b0, s):
     b0 = b0 + off
+    if x8:
+      tile, dot = dot8.TILES[qtype], dot8.dot_fn(x8, interpret)
+      at = lambda ref: (lambda *idx: ref[(t, pl.ds(b0, s), *idx)])
+      return tuple(tile(lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], at(xw_ref), at(dx_ref),
+                        at(xs_ref), tab_ref, dot) for W in (G, U))
     xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     g = qp.TILES[qtype](lambda name, *idx: G[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     u = qp.TILES[qtype](lambda name, *idx: U[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
@@ -152,8 +166,8 @@ def _cfg(kernel, qtype, rows, nb, tile):
   return qp.config(qtype, rows, nb, fill(tile, TUNING[kernel, qtype]))
 
 
-@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip"))
-def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd, KS, skip):
+@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip", "x8"))
+def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd, KS, skip, x8):
   T, X = ids_TX.shape
   P = T * X
   ids = ids_TX.reshape(P).astype(I32)
@@ -164,12 +178,13 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
   nat_g, nat_d = qp.x_natural(cg, 1), qp.x_natural(cd, 1)     # one token (or pair) per program in both kernels
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, X=X, F=F, BN=cg.BN, S=cg.S,
                              nb=nbD, unroll=cg.unroll, down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
-                             natural_h=nat_d, skip=skip)
+                             natural_h=nat_d, skip=skip, x8=x8, interpret=interpret)
+  xin = dot8.x8_input(x_TD, gq) if x8 else (qp.x_input(x_TD.astype(F32), gq, nat_g),)
   parts = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg.BN), P, KS),
       out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
-  )(ids, qp.x_input(x_TD.astype(F32), gq, nat_g), qp.table(gq), *lid, *gplanes, *uplanes)
+  )(ids, *xin, qp.table(gq), *lid, *gplanes, *uplanes)
   if KS > 1:
     g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
     h = qp.x_input(g / (1.0 + jnp.exp(-g)) * u, dq, nat_d)
@@ -208,6 +223,9 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
   ks = int(t.ks or 1)
   if ks < 1 or nbD % ks or ks & (ks - 1):
     raise ValueError(f"moe_pallas gateup: ks={ks} must be a power of two dividing {nbD} blocks")
+  if t.x8 is not None and (t.x8 not in dot8.DOTS or gate.qtype not in dot8.TILES):
+    raise ValueError(f"moe_pallas gateup: x8={t.x8!r} with {gate.qtype} experts, expected one of {dot8.DOTS} "
+                     f"for {'/'.join(dot8.TILES)}")
   return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
-              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip),
+              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip), x8=t.x8,
               cg=_cfg("gateup", gate.qtype, F, nbD // ks, t.gateup), cd=_cfg("down", down.qtype, D, nbF, t.down))

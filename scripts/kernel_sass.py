@@ -62,7 +62,7 @@ def _cases(names, precision="bf16"):
   if "dp4a" in names:                   # issue 27: matvecs with 8-bit x and dp4a (scripts/gpu/dp4a_probe.py), B = 1
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
     from dp4a_probe import dp4a_matvec
-    from ops import qmatmul_pallas
+    from ops import moe_pallas, qmatmul_pallas
     x1 = jax.ShapeDtypeStruct((2048,), jnp.float32)
     for q in ("IQ3_S", "Q4_K"):
       w = _abstract_qtensor(q, (5120, 2048))
@@ -70,6 +70,12 @@ def _cases(names, precision="bf16"):
       for BN, S in ((16, 2), (16, 8)):
         yield (f"dp4a_{q}_BN{BN}_S{S}", functools.partial(lambda x, p, q, BN, S: dp4a_matvec(x, p, qtype=q, BN=BN, S=S),
                                                           q=q, BN=BN, S=S), (x1, tuple(w.planes)))
+      g, d = _abstract_qtensor(q, (128, 768, 2048)), _abstract_qtensor("Q4_K", (128, 2048, 768))
+      ib, wb = jax.ShapeDtypeStruct((1, 8), jnp.int32), jax.ShapeDtypeStruct((1, 8), jnp.float32)
+      for x8 in (None, "dp4a"):                 # the MoE kernels with and without Tuning.x8, B = 1
+        yield (f"moe_{q}_x8{x8}", functools.partial(lambda x, i, w, g, u, d, x8: moe_pallas.moe_pallas(
+            x, i, w, g, u, d, tuning=moe_pallas.Tuning(x8=x8)), x8=x8), (
+            jax.ShapeDtypeStruct((1, 2048), jnp.float32), ib, wb, g, g, d))
   if "grouped" in names:
     ids = jax.ShapeDtypeStruct((1024, 8), jnp.int32)
     wk = jax.ShapeDtypeStruct((1024, 8), jnp.float32)

@@ -356,6 +356,9 @@ assert t.pick("qmatmul", "Q4_K").natural_b == 4 and t.pick("qmatmul", "Q8_0").na
 assert t.pick("moe", "Q4_K").down.natural_b == 4 and t.pick("moe", "IQ3_S").gateup.natural_b == 0
 t = step.glue_options("on/xnat=Q4_K:4/qmm=256")[1]
 assert t.pick("qmatmul", "Q8_0").programs == 256 and t.pick("qmatmul", "Q4_K").natural_b == 4
+t = step.glue_options("on/xnat=Q4_K:4/x8=dp4a")[1]
+assert t.pick("moe", "Q4_K").x8 == "dp4a" and t.pick("moe", "Q4_K").down.natural_b == 4
+assert t.pick("moe", "IQ3_S").x8 == "dp4a" and t.pick("moe", "Q8_0").x8 is None
 assert step.glue_options("on/tier=16384")[1].tier_block == 16384 and step.glue_options("on")[1].tier_block is None
 assert step.glue_options("on/tier=4096/span=4096")[1].tier_span == 4096
 o = step.cell_options("on", "bf16x2/16/4/1")
@@ -364,7 +367,7 @@ assert o.tunings.attention == attention_pallas.Tuning(bk=16, num_warps=4, num_st
 assert step.cell_options("on", "auto", "tf32x3").tunings.attention == attention_pallas.Tuning(dots="tf32x3")
 assert step.cell_options("off", "ref").glue is False and hash(o) == hash(step.cell_options("on", "bf16x2/16/4/1"))
 for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on/xnat=Q9_9:4", "on/qmm=-1",
-            "on/tier=3000", "on/tier=0", "on/span=100"):
+            "on/tier=3000", "on/tier=0", "on/span=100", "on/x8=ptx"):
   try:
     step.glue_options(bad); raise SystemExit(bad + " accepted")
   except app.UsageError as e:

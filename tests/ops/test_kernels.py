@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ops import moe as moe_ops
-from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul, qmatmul_pallas, quant, repack
+from ops import dot8, moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul, qmatmul_pallas, quant, repack
 from ops.qtensor import QTensor, with_kernels
 from ops.tuning import ByType, Tunings
 
@@ -240,6 +240,32 @@ def test_moe_skip_pairs_with_a_negative_id(gq, dq, ks):
   y0 = moe_pallas.moe_pallas(x, at0, jnp.asarray(w), g, u, d, interpret=True, tuning=ov)
   assert np.array_equal(np.asarray(y), np.asarray(y0)) and not np.asarray(y)[2].any()
   assert _relerr(y, moe_ops.moe_ref(x, at0, jnp.asarray(w), g, u, d)) < TOL_MOE
+
+
+@pytest.mark.parametrize("gq", ["IQ3_S", "Q4_K"])
+def test_moe_x8_gateup_matches_reference_on_the_rounded_x(gq):
+  """Tuning.x8 (ops/dot8: x rounded to 8 bits per 32 values, integer dots; interpret mode runs the int32 form of
+  "dp4a"): equal to the reference fed dot8.rounded_x, stacked and split over K too; a row's result does not
+  depend on the other rows (bitwise: one token against three); a type without 8-bit tiles is a one-line error."""
+  rng = np.random.default_rng(19)
+  L, E, F, D, K, B = 2, 4, 256, 512, 2, 3
+  g = QTensor.from_gguf(quant.random_blocks(gq, (L, E, F, D), rng), gq, D)
+  u = QTensor.from_gguf(quant.random_blocks(gq, (L, E, F, D), rng), gq, D)
+  d = QTensor.from_gguf(quant.random_blocks("Q4_K", (L, E, D, F), rng), "Q4_K", F)
+  x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
+  w = jnp.asarray(rng.random((B, K)).astype(np.float32))
+  want = moe_ops.moe_ref(dot8.rounded_x(x), ids, w, g[1], u[1], d[1])
+  assert _relerr(moe_ops.moe_ref(x, ids, w, g[1], u[1], d[1]), want) > 1e-4       # the rounding is visible
+  for x8, ks in (("dp4a", 1), ("int", 2)):
+    ov = moe_pallas.Tuning(gateup=QMM(BN=64, S=1), down=QMM(BN=64, S=1), ks=ks, x8=x8)
+    y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, tuning=ov)
+    assert _relerr(y, want) < TOL_MOE, (x8, ks)
+  y1 = moe_pallas.moe_pallas(x[1:2], ids[1:2], w[1:2], g, u, d, layer=1, interpret=True, tuning=ov)
+  np.testing.assert_array_equal(np.asarray(y1[0]), np.asarray(y[1]))
+  q8 = QTensor.from_gguf(quant.random_blocks("Q8_0", (E, F, D), rng), "Q8_0", D)
+  with pytest.raises(ValueError, match="x8='int' with Q8_0 experts"):
+    moe_pallas.moe_pallas(x, ids, w, q8, q8, d[0], interpret=True, tuning=moe_pallas.Tuning(x8="int"))
 
 
 def test_qmatmul_stacked_layer_index_matches_reference():

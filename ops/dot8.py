@@ -1,0 +1,132 @@
+"""Decode tiles with x in 8 bits and integer dots (llama.cpp's MMVQ form), for IQ3_S and Q4_K weights.
+
+x is rounded per 32 values to int8 with a float scale dx = max|x| / 127 (`quantize_x`), four values packed in an
+int32 word (byte m = value 4w + m). A tile makes each group of four weights one word of bytes and sums
+`dot(w, xw, acc)` = acc + sum over the four byte products, an int32 per group, then one float multiply per 32
+values applies the scales:
+
+  IQ3_S  grid word gw (4 magnitudes 1..15, the float tile's gather), its 4 sign bits s4 spread to bytes:
+         t = (s4 * 0x00204081) & 0x01010101, w = (gw ^ (t * 0xFF)) + t (two's complement per byte; no carry
+         since every magnitude is >= 1); value d (1 + 2 scale_p) dx_p sum_p.
+  Q4_K   (qs word >> 4h) & 0x0F0F0F0F, the nibbles as they sit (value 64i + 32h + 4j + c in byte c of word j);
+         d sc_k dx_k sum_k - dmin mn_k xsum_k, xsum_k = dx_k * (sum of sub-block k's rounded x).
+
+The dot is `dp4a` (inline PTX `dp4a.s32.s32`, CUDA only) or `int_dot` (int32 shifts and multiplies: interpret
+mode, ROCm). Against the float tiles (ops/qmatmul_pallas) a result differs by x's rounding, at most |x| / 254 a
+value; against a float64 matvec of the same rounded x it is exact up to float32 rounding of the scales.
+Reference: `rounded_x` (x as the tiles see it) into ops.moe.moe_ref / ops.qmatmul.qmatmul_ref.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from ops import qmatmul_pallas as qp
+
+U32, I32, F32 = jnp.uint32, jnp.int32, jnp.float32
+DOTS = ("dp4a", "int")            # Tuning values: the PTX instruction, or its int32 emulation
+
+# per type: x words of a block [*WVIEW] (word w of the block = values 4w .. 4w + 3, natural order) and its 32-value
+# sub-blocks [*SVIEW] (dx, xsum)
+WVIEW = {"IQ3_S": (2, 4, 2, 4), "Q4_K": (4, 2, 8)}     # [a, pp, w2, cb] / [i, h, j]
+SVIEW = {"IQ3_S": (2, 4), "Q4_K": (4, 2)}              # [a, pp] / [i, h]
+
+
+def quantize_x(x_TK):
+  """x [T, K] float -> (words int32 [T, K/4], dx float32 [T, K/32], xsum float32 [T, K/32]): per 32 values
+  dx = max|x| / 127 (1 for a block of zeros), q = round(x / dx) in int8, xsum = dx * sum q."""
+  T, K = x_TK.shape
+  xb = x_TK.astype(F32).reshape(T, K // 32, 32)
+  dx = jnp.max(jnp.abs(xb), axis=2) / 127.0
+  dx = jnp.where(dx > 0, dx, 1.0)
+  q = jnp.clip(jnp.round(xb / dx[..., None]), -127, 127).astype(jnp.int8)
+  words = jax.lax.bitcast_convert_type(q.reshape(T, K // 4, 4), I32)   # little-endian: byte m = value 4w + m
+  return words, dx, dx * jnp.sum(q.astype(I32), axis=2).astype(F32)
+
+
+def rounded_x(x_TK):
+  """x as the tiles see it, float32 [T, K]: round(x / dx) * dx per 32 values (the reference's input)."""
+  T, K = x_TK.shape
+  words, dx, _ = quantize_x(x_TK)
+  q = jax.lax.bitcast_convert_type(words, jnp.int8).reshape(T, K // 32, 32).astype(F32)
+  return (q * dx[..., None]).reshape(T, K)
+
+
+def x8_input(x_TK, qtype: str):
+  """The kernels' x operands: words [T, nb, *WVIEW], dx and xsum [T, nb, *SVIEW]."""
+  T, K = x_TK.shape
+  nb = K // 256
+  words, dx, xs = quantize_x(x_TK)
+  return words.reshape(T, nb, *WVIEW[qtype]), dx.reshape(T, nb, *SVIEW[qtype]), xs.reshape(T, nb, *SVIEW[qtype])
+
+
+def int_dot(a, b, c):
+  """dp4a.s32.s32 in int32 ops: c + sum_m sext(byte m of a) * sext(byte m of b)."""
+  for m in range(4):
+    c = c + ((a << (24 - 8 * m)) >> 24) * ((b << (24 - 8 * m)) >> 24)
+  return c
+
+
+def dp4a(a, b, c):
+  """The same as one PTX instruction per element (CUDA only)."""
+  return plgpu.elementwise_inline_asm("dp4a.s32.s32 $0, $1, $2, $3;", args=[a, b, c], constraints="=r,r,r,r",
+                                      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, I32)])[0]
+
+
+def dot_fn(name: str, interpret: bool):
+  """The dot of Tuning value `name` ("dp4a" | "int"); interpret mode runs int_dot for both."""
+  if name not in DOTS:
+    raise ValueError(f"dot8: dot {name!r}, expected one of {DOTS}")
+  return int_dot if interpret or name == "int" else dp4a
+
+
+def _iota(shape, dim):
+  return jax.lax.broadcasted_iota(U32, shape, dim)
+
+
+def _tile_iq3_s(ld, xw, dx, xs, tab, dot):
+  """[BN] sums of one token over the tile's S blocks; planes as in qmatmul_pallas._tile_iq3_s."""
+  d = ld("d").astype(F32)[:, :, None, None]                            # [BN, S, 1, 1]
+  qs = ld("qs", slice(None), slice(None), slice(None))                 # [BN, S, 2, 4, 2]
+  qh = ld("qh", slice(None))[:, :, :, None, None]                      # [BN, S, 2, 1, 1]
+  sg = ld("signs", slice(None), slice(None))[:, :, :, :, None]         # [BN, S, 2, 4, 1]
+  sc = ld("scales")[:, :, None, None]                                  # [BN, S, 1, 1]
+  pp, w2 = _iota((1, 1, 2, 4, 1), 3), _iota((1, 1, 1, 1, 2), 4)
+  p = 4 * _iota((1, 1, 2, 4), 2) + _iota((1, 1, 2, 4), 3)
+  db = d * (1 + 2 * ((sc >> (4 * p)) & 15)).astype(I32).astype(F32)   # [BN, S, 2, 4]
+  gather, _ = qp.iq3s_grid(tab)
+  isum = None
+  for cb in range(4):
+    idx = ((qs >> (8 * cb)) & 255) | (((qh >> (8 * pp + 4 * w2 + cb)) & 1) << 8)
+    gw = gather(idx)                                                   # [BN, S, 2, 4, 2]
+    t = (((sg >> (16 * w2 + 4 * cb)) & 15) * 0x00204081) & 0x01010101
+    w = jax.lax.bitcast_convert_type((gw ^ (t * 0xFF)) + t, I32)
+    xv = jnp.broadcast_to(xw(slice(None), slice(None), slice(None), cb)[None], w.shape)
+    isum = dot(w, xv, jnp.zeros(w.shape, I32) if isum is None else isum)
+  s = jnp.sum(isum, axis=4).astype(F32)                                # [BN, S, 2, 4]: one sub-block of 32
+  return qp.row_sums(db * dx(slice(None), slice(None))[None] * s)
+
+
+def _tile_q4_k(ld, xw, dx, xs, tab, dot):
+  """[BN] sums of one token over the tile's S blocks; planes as in qmatmul_pallas._tile_q45_k. The sums stay
+  word-shaped ([BN, S, 8]) until the end: a sub-block's 8 words lie across threads, and summing them first compiled
+  to barriers and shuffles (scripts/kernel_sass.py)."""
+  h = [ld("hdr", k) for k in range(4)]                                 # [BN, S]
+  d, dmin = qp._f16lo(h[0]), qp._f16hi(h[0])
+  t = m = None
+  for i in range(4):
+    q = ld("qs", i, slice(None))                                       # [BN, S, 8]
+    for hh in range(2):
+      w = jax.lax.bitcast_convert_type((q >> (4 * hh)) & 0x0F0F0F0F, I32)
+      isum = dot(w, jnp.broadcast_to(xw(i, hh, slice(None))[None], w.shape), jnp.zeros(w.shape, I32))
+      sc, mn = qp._k_scale_min(h[1], h[2], h[3], 2 * i + hh)
+      ti = (d * sc * dx(i, hh)[None])[:, :, None] * isum.astype(F32)
+      mi = dmin * mn * xs(i, hh)[None]
+      t, m = (ti, mi) if t is None else (t + ti, m + mi)
+  return qp.row_sums(jnp.sum(t, axis=2) - m)
+
+
+# tile(ld, xw, dx, xs, tab, dot) -> [BN]: ld as the float tiles'; xw(*idx) / dx(*idx) / xs(*idx): the token's
+# words / scales / sums at the tile's blocks, then idx over WVIEW / SVIEW -> [S, ...]
+TILES = {"IQ3_S": _tile_iq3_s, "Q4_K": _tile_q4_k}
