@@ -9,8 +9,9 @@
 # "The seed's experiment at 128K"; the numbered parts below are earlier sessions' measurements, kept as the
 # commands their PERF sections cite). Run a ring's calls back to back: a warm machine keeps .jaxcache between calls
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
-#   dp4a      issue 27: IQ3_S and Q4_K matvecs with 8-bit x and dp4a (scripts/gpu/dp4a_probe.py) checked compiled,
-#             then timed against the shipped kernel, interleaved; ~2 min. First: it decides the next kernel work
+#   dp4a      issue 27: IQ3_S and Q4_K tiles on 8-bit x with dp4a (ops/dot8) checked compiled and timed against the
+#             shipped kernel (scripts/gpu/dp4a_probe.py), then the 30B step with them in the experts' gate/up
+#             (--glue on/x8=dp4a) against the float tiles; ~8 min. First: it decides the next kernel work
 #   seed128c  issue 26 item 4 at 128K: ring 49,152 seed 1 (BS, BR, BN); ~9 min cold
 #   seed128d  the same ring's seed 2, right after seed128c (~6 min warm)
 #   seed128b  ring 32,768 seed 2 of AR and AN (AS has its three seeds); ~9 min cold
@@ -42,8 +43,14 @@ spans)  # issue 26 item 5: the tier read in spans (HOST_SPAN) against blocks alo
 tier)  bash scripts/gpu/tier_depth.sh ;;
 seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 seed32b)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
-dp4a)  timeout ${TD:-300} python3 scripts/gpu/dp4a_probe.py --check --time 2>&1 | grep -vE "^(W|I)[0-9]" \
-  | tee $OUT/dp4a.txt ;;
+dp4a)  # issue 27: ops/dot8's tiles as a matvec against the shipped kernel, then the 30B step with the routed experts'
+  # gate/up on them (moe_pallas.Tuning.x8) against the float tiles, interleaved, IQ3_S then Q4_K experts
+  timeout ${TD:-200} python3 scripts/gpu/dp4a_probe.py --check --time 2>&1 | grep -vE "^(W|I)[0-9]" \
+    | tee $OUT/dp4a.txt
+  for x in IQ3_S Q4_K; do
+    timeout ${TS:-170} $S30 --experts $x --glue on,on/x8=dp4a,on,on/x8=dp4a --cells 4096:1024:auto:pallas 2>&1 | filt \
+      | tee -a $OUT/x8-step.log | tail -6
+  done ;;
 seed128b)  ONLY=AR,AN FIRST=2 SEEDS=1 JOBS=2 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 seed128c)  ONLY=BS,BR,BN FIRST=1 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 seed128d)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
