@@ -55,7 +55,7 @@ flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell w
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
 GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0, "
-              "qmm=P, x8=dp4a|int, tier=N, span=N (powers of two)")
+              "qmm=P, x8=dp4a|int, px8=dp4a|int, tier=N, span=N (powers of two)")
 
 
 def glue_options(spec: str):
@@ -67,8 +67,9 @@ def glue_options(spec: str):
                        projections and both MoE kernels: natural order up to B tokens; types not named and 0:
                        the permuted view)
     qmm=P              the projections' ops.qmatmul_pallas.Tuning(programs=P) (BN halves to reach P programs)
-    x8=dp4a | int      the routed experts' gate/up on 8-bit x with integer dots (ops.moe_pallas.Tuning.x8, for the
-                       types of ops.dot8.TILES; the others keep the float tiles)
+    x8=dp4a | int      the routed experts' gate/up on 8-bit x with integer dots (its tile's
+                       ops.qmatmul_pallas.Tuning.x8, for the types of ops.dot8.TILES; the others keep the float tiles)
+    px8=dp4a | int     the same for the projections
     tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)
     span=N             positions per span of it, the pieces a row sees whole (ops.tuning.Tunings.tier_span)
 
@@ -80,7 +81,8 @@ def glue_options(spec: str):
   base, *parts = spec.split("/")
   if base not in ("on", "off") or (base == "off" and parts):
     raise app.UsageError(f"--glue {spec!r}: {GLUE_USAGE}")
-  kw, proj, moe = {}, {t: {} for t in qmatmul_pallas.KERNEL_TYPES}, {t: {} for t in qmatmul_pallas.KERNEL_TYPES}
+  kw = {}
+  proj, gate, down = ({t: {} for t in qmatmul_pallas.KERNEL_TYPES} for _ in range(3))    # tile fields per type
   for part in parts:
     key, _, val = part.partition("=")
     try:
@@ -94,13 +96,12 @@ def glue_options(spec: str):
         if not set(named) <= set(qmatmul_pallas.KERNEL_TYPES):
           raise ValueError(val)
         for t in qmatmul_pallas.KERNEL_TYPES:
-          proj[t]["natural_b"] = named.get(t, 0)
-          moe[t]["gateup"] = moe[t]["down"] = qmatmul_pallas.Tuning(natural_b=named.get(t, 0))
-      elif key == "x8":
+          proj[t]["natural_b"] = gate[t]["natural_b"] = down[t]["natural_b"] = named.get(t, 0)
+      elif key in ("x8", "px8"):
         if val not in dot8.DOTS:
           raise ValueError(val)
         for t in dot8.TILES:
-          moe[t]["x8"] = val
+          (gate if key == "x8" else proj)[t]["x8"] = val
       elif key == "qmm":
         if int(val) < 0:
           raise ValueError(val)
@@ -116,8 +117,9 @@ def glue_options(spec: str):
       raise app.UsageError(f"--glue {spec!r}: override {part!r}, {GLUE_USAGE}") from None
   if any(proj.values()):
     kw["qmatmul"] = ByType(**{t: qmatmul_pallas.Tuning(**f) for t, f in proj.items()})
-  if any(moe.values()):
-    kw["moe"] = ByType(**{t: moe_pallas.Tuning(**f) for t, f in moe.items()})
+  if any(gate.values()) or any(down.values()):
+    tile = lambda f: qmatmul_pallas.Tuning(**f) if f else None
+    kw["moe"] = ByType(**{t: moe_pallas.Tuning(gateup=tile(gate[t]), down=tile(down[t])) for t in gate})
   return base == "on", Tunings(**kw)
 
 

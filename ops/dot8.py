@@ -1,10 +1,11 @@
-"""Decode tiles with x in 8 bits and integer dots (llama.cpp's MMVQ form), for IQ3_S and Q4_K weights.
+"""Decode tiles with x in 8 bits and integer dots (llama.cpp's MMVQ form), for Q8_0, IQ3_S and Q4_K weights.
 
 x is rounded per 32 values to int8 with a float scale dx = max|x| / 127 (`quantize_x`), four values packed in an
 int32 word (byte m = value 4w + m). A tile makes each group of four weights one word of bytes and sums
 `dot(w, xw, acc)` = acc + sum over the four byte products, an int32 per group, then one float multiply per 32
 values applies the scales:
 
+  Q8_0   the qs words as they sit (4 signed bytes); value d dx sum per block.
   IQ3_S  grid word gw (4 magnitudes 1..15, the float tile's gather), its 4 sign bits s4 spread to bytes:
          t = (s4 * 0x00204081) & 0x01010101, w = (gw ^ (t * 0xFF)) + t (two's complement per byte; no carry
          since every magnitude is >= 1); value d (1 + 2 scale_p) dx_p sum_p.
@@ -14,7 +15,8 @@ values applies the scales:
 The dot is `dp4a` (inline PTX `dp4a.s32.s32`, CUDA only) or `int_dot` (int32 shifts and multiplies: interpret
 mode, ROCm). Against the float tiles (ops/qmatmul_pallas) a result differs by x's rounding, at most |x| / 254 a
 value; against a float64 matvec of the same rounded x it is exact up to float32 rounding of the scales.
-Reference: `rounded_x` (x as the tiles see it) into ops.moe.moe_ref / ops.qmatmul.qmatmul_ref.
+A kernel takes them with its tile's `Tuning.x8` (ops/qmatmul_pallas; the MoE's gate/up). Reference:
+`rounded_x` (x as the tiles see it) into ops.moe.moe_ref / ops.qmatmul.qmatmul_ref.
 """
 from __future__ import annotations
 
@@ -23,14 +25,15 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from ops import qmatmul_pallas as qp
+from ops import quant
 
 U32, I32, F32 = jnp.uint32, jnp.int32, jnp.float32
 DOTS = ("dp4a", "int")            # Tuning values: the PTX instruction, or its int32 emulation
 
 # per type: x words of a block [*WVIEW] (word w of the block = values 4w .. 4w + 3, natural order) and its 32-value
 # sub-blocks [*SVIEW] (dx, xsum)
-WVIEW = {"IQ3_S": (2, 4, 2, 4), "Q4_K": (4, 2, 8)}     # [a, pp, w2, cb] / [i, h, j]
-SVIEW = {"IQ3_S": (2, 4), "Q4_K": (4, 2)}              # [a, pp] / [i, h]
+WVIEW = {"Q8_0": (8,), "IQ3_S": (2, 4, 2, 4), "Q4_K": (4, 2, 8)}     # [w] / [a, pp, w2, cb] / [i, h, j]
+SVIEW = {"Q8_0": (), "IQ3_S": (2, 4), "Q4_K": (4, 2)}                # one per block / [a, pp] / [i, h]
 
 
 def quantize_x(x_TK):
@@ -56,7 +59,7 @@ def rounded_x(x_TK):
 def x8_input(x_TK, qtype: str):
   """The kernels' x operands: words [T, nb, *WVIEW], dx and xsum [T, nb, *SVIEW]."""
   T, K = x_TK.shape
-  nb = K // 256
+  nb = K // quant.GGML_TYPES[qtype][0]
   words, dx, xs = quantize_x(x_TK)
   return words.reshape(T, nb, *WVIEW[qtype]), dx.reshape(T, nb, *SVIEW[qtype]), xs.reshape(T, nb, *SVIEW[qtype])
 
@@ -85,8 +88,19 @@ def _iota(shape, dim):
   return jax.lax.broadcasted_iota(U32, shape, dim)
 
 
-def _tile_iq3_s(ld, xw, dx, xs, tab, dot):
-  """[BN] sums of one token over the tile's S blocks; planes as in qmatmul_pallas._tile_iq3_s."""
+def _tile_q8_0(ld, xs, tab, dot):
+  """Q8_0 (block 32): the qs words are 4 signed bytes as they sit; d dx isum per block."""
+  d = ld("d").astype(F32)                                              # [BN, S]
+  q = jax.lax.bitcast_convert_type(ld("qs", slice(None)), I32)         # [BN, S, 8]
+  out = []
+  for xw, dx, _ in xs:
+    isum = dot(q, jnp.broadcast_to(xw(slice(None))[None], q.shape), jnp.zeros(q.shape, I32))
+    out.append(qp.row_sums((d * dx()[None])[:, :, None] * isum.astype(F32)))
+  return out
+
+
+def _tile_iq3_s(ld, xs, tab, dot):
+  """IQ3_S; planes as in qmatmul_pallas._tile_iq3_s."""
   d = ld("d").astype(F32)[:, :, None, None]                            # [BN, S, 1, 1]
   qs = ld("qs", slice(None), slice(None), slice(None))                 # [BN, S, 2, 4, 2]
   qh = ld("qh", slice(None))[:, :, :, None, None]                      # [BN, S, 2, 1, 1]
@@ -96,37 +110,44 @@ def _tile_iq3_s(ld, xw, dx, xs, tab, dot):
   p = 4 * _iota((1, 1, 2, 4), 2) + _iota((1, 1, 2, 4), 3)
   db = d * (1 + 2 * ((sc >> (4 * p)) & 15)).astype(I32).astype(F32)   # [BN, S, 2, 4]
   gather, _ = qp.iq3s_grid(tab)
-  isum = None
+  words = []
   for cb in range(4):
     idx = ((qs >> (8 * cb)) & 255) | (((qh >> (8 * pp + 4 * w2 + cb)) & 1) << 8)
     gw = gather(idx)                                                   # [BN, S, 2, 4, 2]
     t = (((sg >> (16 * w2 + 4 * cb)) & 15) * 0x00204081) & 0x01010101
-    w = jax.lax.bitcast_convert_type((gw ^ (t * 0xFF)) + t, I32)
-    xv = jnp.broadcast_to(xw(slice(None), slice(None), slice(None), cb)[None], w.shape)
-    isum = dot(w, xv, jnp.zeros(w.shape, I32) if isum is None else isum)
-  s = jnp.sum(isum, axis=4).astype(F32)                                # [BN, S, 2, 4]: one sub-block of 32
-  return qp.row_sums(db * dx(slice(None), slice(None))[None] * s)
+    words.append(jax.lax.bitcast_convert_type((gw ^ (t * 0xFF)) + t, I32))
+  out = []
+  for xw, dx, _ in xs:
+    isum = None
+    for cb, w in enumerate(words):
+      xv = jnp.broadcast_to(xw(slice(None), slice(None), slice(None), cb)[None], w.shape)
+      isum = dot(w, xv, jnp.zeros(w.shape, I32) if isum is None else isum)
+    s = jnp.sum(isum, axis=4).astype(F32)                              # [BN, S, 2, 4]: one sub-block of 32
+    out.append(qp.row_sums(db * dx(slice(None), slice(None))[None] * s))
+  return out
 
 
-def _tile_q4_k(ld, xw, dx, xs, tab, dot):
-  """[BN] sums of one token over the tile's S blocks; planes as in qmatmul_pallas._tile_q45_k. The sums stay
-  word-shaped ([BN, S, 8]) until the end: a sub-block's 8 words lie across threads, and summing them first compiled
-  to barriers and shuffles (scripts/kernel_sass.py)."""
+def _tile_q4_k(ld, xs, tab, dot):
+  """Q4_K; planes as in qmatmul_pallas._tile_q45_k. The sums stay word-shaped ([BN, S, 8]) until the end: a
+  sub-block's 8 words lie across threads, and summing them first compiled to barriers and shuffles
+  (scripts/kernel_sass.py)."""
   h = [ld("hdr", k) for k in range(4)]                                 # [BN, S]
   d, dmin = qp._f16lo(h[0]), qp._f16hi(h[0])
-  t = m = None
+  t, m = [None] * len(xs), [None] * len(xs)
   for i in range(4):
     q = ld("qs", i, slice(None))                                       # [BN, S, 8]
     for hh in range(2):
       w = jax.lax.bitcast_convert_type((q >> (4 * hh)) & 0x0F0F0F0F, I32)
-      isum = dot(w, jnp.broadcast_to(xw(i, hh, slice(None))[None], w.shape), jnp.zeros(w.shape, I32))
       sc, mn = qp._k_scale_min(h[1], h[2], h[3], 2 * i + hh)
-      ti = (d * sc * dx(i, hh)[None])[:, :, None] * isum.astype(F32)
-      mi = dmin * mn * xs(i, hh)[None]
-      t, m = (ti, mi) if t is None else (t + ti, m + mi)
-  return qp.row_sums(jnp.sum(t, axis=2) - m)
+      for b, (xw, dx, xsum) in enumerate(xs):
+        isum = dot(w, jnp.broadcast_to(xw(i, hh, slice(None))[None], w.shape), jnp.zeros(w.shape, I32))
+        ti = (d * sc * dx(i, hh)[None])[:, :, None] * isum.astype(F32)
+        mi = dmin * mn * xsum(i, hh)[None]
+        t[b], m[b] = (ti, mi) if t[b] is None else (t[b] + ti, m[b] + mi)
+  return [qp.row_sums(jnp.sum(tb, axis=2) - mb) for tb, mb in zip(t, m)]
 
 
-# tile(ld, xw, dx, xs, tab, dot) -> [BN]: ld as the float tiles'; xw(*idx) / dx(*idx) / xs(*idx): the token's
-# words / scales / sums at the tile's blocks, then idx over WVIEW / SVIEW -> [S, ...]
-TILES = {"IQ3_S": _tile_iq3_s, "Q4_K": _tile_q4_k}
+# tile(ld, xs, tab, dot) -> [[BN] per token]: ld as the float tiles'; xs[b] = (xw, dx, xsum), token b's loaders:
+# xw(*idx) / dx(*idx) / xsum(*idx), its words / scales / sums at the tile's blocks, then idx over WVIEW / SVIEW
+# -> [S, ...]
+TILES = {"Q8_0": _tile_q8_0, "IQ3_S": _tile_iq3_s, "Q4_K": _tile_q4_k}

@@ -10,8 +10,8 @@ For T <= 16 tokens with top-X routing, P = T*X (token, expert) pairs, p = t*X + 
      Optionally (Tuning.ks > 1) D is split over KS programs per row tile and pair; they write partial sums that
      XLA adds in a fixed order before SiLU(g) * u (more programs in flight at B = 1, where the grid is only
      F / BN x X programs).
-     Optionally (Tuning.x8) the program reads x rounded to 8 bits per 32 values and sums with integer dots
-     (ops/dot8's tiles, IQ3_S and Q4_K): XLA rounds x once per call; h and down stay float.
+     Optionally (gate/up's tile x8) the program reads x rounded to 8 bits per 32 values and sums with integer
+     dots (ops/dot8's tiles): XLA rounds x once per call; h and down stay float.
   2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
      y[p, rows] = w[p] * (down[e] . h[p]). The X partial rows of a token are summed afterwards in a fixed order
      (a [T, X, D] -> [T, D] reduction XLA fuses), so the result is deterministic and every program is short:
@@ -44,13 +44,11 @@ F32, I32 = jnp.float32, jnp.int32
 class Tuning(NamedTuple):
   """The gate/up and down kernels' tiles (qmatmul_pallas.Tuning; fields left None take `TUNING[kernel, qtype]`)
   and ks, a split of gate/up's D blocks over KS programs (a power of two dividing them; None or 1: off): at B = 1
-  it multiplies the programs in flight by KS, and XLA adds the KS partial sums. x8: gate/up reads x rounded to
-  8 bits and sums with integer dots (ops/dot8: "dp4a" the PTX instruction, CUDA only; "int" its int32 emulation;
-  None: the float tiles), for the types of dot8.TILES."""
+  it multiplies the programs in flight by KS, and XLA adds the KS partial sums. gateup.x8 runs gate/up on 8-bit x
+  (ops/dot8); down reads h in float (its x8 must stay None)."""
   gateup: qp.Tuning | None = None
   down: qp.Tuning | None = None
   ks: int | None = None
-  x8: str | None = None
 
 
 # (kernel, qtype) -> tile: the type's qmatmul tile with the S of each kernel; "gateup" tiles F rows of gate and up,
@@ -92,10 +90,10 @@ def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_q
   def tile_sums(b0, s):
     b0 = b0 + off
     if x8:
-      tile, dot = dot8.TILES[qtype], dot8.dot_fn(x8, interpret)
       at = lambda ref: (lambda *idx: ref[(t, pl.ds(b0, s), *idx)])
-      return tuple(tile(lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], at(xw_ref), at(dx_ref),
-                        at(xs_ref), tab_ref, dot) for W in (G, U))
+      xs = [(at(xw_ref), at(dx_ref), at(xs_ref))]
+      return tuple(dot8.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref,
+                                     dot8.dot_fn(x8, interpret))[0] for W in (G, U))
     xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     g = qp.TILES[qtype](lambda name, *idx: G[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     u = qp.TILES[qtype](lambda name, *idx: U[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
@@ -166,8 +164,8 @@ def _cfg(kernel, qtype, rows, nb, tile):
   return qp.config(qtype, rows, nb, fill(tile, TUNING[kernel, qtype]))
 
 
-@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip", "x8"))
-def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd, KS, skip, x8):
+@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip"))
+def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd, KS, skip):
   T, X = ids_TX.shape
   P = T * X
   ids = ids_TX.reshape(P).astype(I32)
@@ -178,8 +176,8 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
   nat_g, nat_d = qp.x_natural(cg, 1), qp.x_natural(cd, 1)     # one token (or pair) per program in both kernels
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, X=X, F=F, BN=cg.BN, S=cg.S,
                              nb=nbD, unroll=cg.unroll, down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
-                             natural_h=nat_d, skip=skip, x8=x8, interpret=interpret)
-  xin = dot8.x8_input(x_TD, gq) if x8 else (qp.x_input(x_TD.astype(F32), gq, nat_g),)
+                             natural_h=nat_d, skip=skip, x8=cg.x8, interpret=interpret)
+  xin = dot8.x8_input(x_TD, gq) if cg.x8 else (qp.x_input(x_TD.astype(F32), gq, nat_g),)
   parts = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg.BN), P, KS),
       out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
@@ -223,9 +221,9 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
   ks = int(t.ks or 1)
   if ks < 1 or nbD % ks or ks & (ks - 1):
     raise ValueError(f"moe_pallas gateup: ks={ks} must be a power of two dividing {nbD} blocks")
-  if t.x8 is not None and (t.x8 not in dot8.DOTS or gate.qtype not in dot8.TILES):
-    raise ValueError(f"moe_pallas gateup: x8={t.x8!r} with {gate.qtype} experts, expected one of {dot8.DOTS} "
-                     f"for {'/'.join(dot8.TILES)}")
+  qp.check_x8(t.gateup and t.gateup.x8, gate.qtype, "moe_pallas gateup")
+  if t.down is not None and t.down.x8 is not None:
+    raise ValueError(f"moe_pallas down: x8={t.down.x8!r}, expected None (h is read in float)")
   return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
-              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip), x8=t.x8,
+              gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip),
               cg=_cfg("gateup", gate.qtype, F, nbD // ks, t.gateup), cd=_cfg("down", down.qtype, D, nbF, t.down))

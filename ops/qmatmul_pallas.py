@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ops import quant, repack
+from ops import dot8, quant, repack
 from ops.tuning import fill
 
 U32, I32, F32 = jnp.uint32, jnp.int32, jnp.float32
@@ -66,7 +66,9 @@ class Tuning(NamedTuple):
   power of two dividing nb), Triton warps and pipeline stages, K steps unrolled up to `unroll` (0: a fori_loop),
   natural_b: calls of up to natural_b tokens per program read x in its natural order (`x_natural`), and programs:
   BN halves (down to 1) until the grid has at least that many programs (0: BN as given; it depends on the rows,
-  not the batch, so batch invariance holds)."""
+  not the batch, so batch invariance holds). x8: the tile reads x rounded to 8 bits per 32 values and sums with
+  integer dots (ops/dot8, for its TILES' types): "dp4a" the PTX instruction (CUDA), "int" its int32 form; None
+  (the tables): the float tiles."""
   BN: int | None = None
   S: int | None = None
   num_warps: int | None = None
@@ -74,6 +76,7 @@ class Tuning(NamedTuple):
   unroll: int | None = None
   natural_b: int | None = None
   programs: int | None = None
+  x8: str | None = None
 
 
 # Per type. Measured on the H200: docs/PERF.md "Quantized kernels" (tiles), "The x layout" (natural_b), "The
@@ -442,6 +445,13 @@ def k_loop(nb: int, S: int, unroll: int, tile_sums, init):
   return accs
 
 
+def check_x8(x8, qtype: str, kernel: str) -> None:
+  """A one-line error for a Tuning.x8 the kernel cannot run: not a dot8 form, or a type without 8-bit tiles."""
+  if x8 is not None and (x8 not in dot8.DOTS or qtype not in dot8.TILES):
+    raise ValueError(f"{kernel}: x8={x8!r} with {qtype} weights, expected one of {dot8.DOTS} for "
+                     f"{'/'.join(dot8.TILES)}")
+
+
 def compiler_params(t):
   """Triton compiler parameters of a tile (any tuning value with num_warps and num_stages)."""
   return plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
@@ -450,7 +460,11 @@ def compiler_params(t):
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll, stacked, natural):
+def _qmm_kernel(*refs, qtype, names, B, N, BN, S, nb, unroll, stacked, natural, x8, interpret):
+  if x8:
+    xw_ref, dx_ref, xs_ref, tab_ref, *refs = refs
+  else:
+    x_ref, tab_ref, *refs = refs
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
@@ -459,6 +473,10 @@ def _qmm_kernel(x_ref, tab_ref, *refs, qtype, names, B, N, BN, S, nb, unroll, st
 
   def tile_sums(b0, s):
     ld = lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)]
+    if x8:
+      at = lambda ref, b: (lambda *idx: ref[(b, pl.ds(b0, s), *idx)])
+      xs = [(at(xw_ref, b), at(dx_ref, b), at(xs_ref, b)) for b in range(B)]
+      return tuple(dot8.TILES[qtype](ld, xs, tab_ref, dot8.dot_fn(x8, interpret)))
     xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, s), *x_index(qtype, natural, idx))], b)
           for b in range(B)]
     return tuple(row_sums(o) for o in TILES[qtype](ld, xs, tab_ref))
@@ -478,11 +496,12 @@ def _qmatmul(x2, layer, planes, *, qtype, n, interpret, cfg):
   names = repack.plane_names(qtype)
   natural = x_natural(cfg, B)
   kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=cfg.BN, S=cfg.S, nb=nb,
-                             unroll=cfg.unroll, stacked=stacked, natural=natural)
+                             unroll=cfg.unroll, stacked=stacked, natural=natural, x8=cfg.x8, interpret=interpret)
+  xin = dot8.x8_input(x2, qtype) if cfg.x8 else (x_input(x2.astype(F32), qtype, natural),)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((B, N), F32), grid=(pl.cdiv(N, cfg.BN),),
       compiler_params=compiler_params(cfg), interpret=interpret, name=f"qmatmul_{qtype.lower()}",
-  )(x_input(x2.astype(F32), qtype, natural), table(qtype), *lid, *planes)
+  )(*xin, table(qtype), *lid, *planes)
 
 
 def supported(w, batch: int) -> bool:
@@ -503,5 +522,6 @@ def qmatmul_pallas(x: jax.Array, w, *, layer=None, interpret: bool = False,
                      f"{'' if layer is None else ' and a layer index'} is not supported")
   nb = K // quant.GGML_TYPES[w.qtype][0]
   cfg = config(w.qtype, N, nb, tuning, batch=max(x2.shape[0], INVARIANT_B))
+  check_x8(cfg.x8, w.qtype, "qmatmul_pallas")
   y = _qmatmul(x2, layer, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret, cfg=cfg)
   return y.reshape(*lead, N)

@@ -59,23 +59,19 @@ def _cases(names, precision="bf16"):
     k1, s1 = S((4096, 4, 128), jnp.int8), S((4096, 4), jnp.float32)
     yield ("prefill_attention", functools.partial(prefill_attention_pallas.prefill_attention_pallas, block=256, scale=0.088),
            (S((1024, 32, 128), jnp.float32), k1, k1, s1, s1, S((1024,), jnp.int32), S((), jnp.int32)))
-  if "dp4a" in names:                   # issue 27: matvecs with 8-bit x and dp4a (scripts/gpu/dp4a_probe.py), B = 1
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
-    from dp4a_probe import dp4a_matvec
+  if "dp4a" in names:                 # issue 27: the x8 tiles (ops/dot8) against the float ones, B = 1
     from ops import moe_pallas, qmatmul_pallas
-    x1 = jax.ShapeDtypeStruct((2048,), jnp.float32)
-    for q in ("IQ3_S", "Q4_K"):
+    x1 = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
+    ib, wb = jax.ShapeDtypeStruct((1, 8), jnp.int32), jax.ShapeDtypeStruct((1, 8), jnp.float32)
+    for q in ("Q8_0", "IQ3_S", "Q4_K"):
       w = _abstract_qtensor(q, (5120, 2048))
-      yield f"qmatmul_{q}_B1", (lambda x, w: qmatmul_pallas.qmatmul_pallas(x[None], w)), (x1, w)
-      for BN, S in ((16, 2), (16, 8)):
-        yield (f"dp4a_{q}_BN{BN}_S{S}", functools.partial(lambda x, p, q, BN, S: dp4a_matvec(x, p, qtype=q, BN=BN, S=S),
-                                                          q=q, BN=BN, S=S), (x1, tuple(w.planes)))
       g, d = _abstract_qtensor(q, (128, 768, 2048)), _abstract_qtensor("Q4_K", (128, 2048, 768))
-      ib, wb = jax.ShapeDtypeStruct((1, 8), jnp.int32), jax.ShapeDtypeStruct((1, 8), jnp.float32)
-      for x8 in (None, "dp4a"):                 # the MoE kernels with and without Tuning.x8, B = 1
-        yield (f"moe_{q}_x8{x8}", functools.partial(lambda x, i, w, g, u, d, x8: moe_pallas.moe_pallas(
-            x, i, w, g, u, d, tuning=moe_pallas.Tuning(x8=x8)), x8=x8), (
-            jax.ShapeDtypeStruct((1, 2048), jnp.float32), ib, wb, g, g, d))
+      for x8 in (None, "dp4a"):
+        t = qmatmul_pallas.Tuning(x8=x8)
+        yield (f"qmatmul_{q}_x8{x8}", functools.partial(lambda x, w, t: qmatmul_pallas.qmatmul_pallas(x, w, tuning=t),
+                                                         t=t), (x1, w))
+        yield (f"moe_{q}_x8{x8}", functools.partial(lambda x, i, w, g, u, d, t: moe_pallas.moe_pallas(
+            x, i, w, g, u, d, tuning=moe_pallas.Tuning(gateup=t)), t=t), (x1, ib, wb, g, g, d))
   if "grouped" in names:
     ids = jax.ShapeDtypeStruct((1024, 8), jnp.int32)
     wk = jax.ShapeDtypeStruct((1024, 8), jnp.float32)

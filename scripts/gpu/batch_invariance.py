@@ -3,7 +3,7 @@ only if every op computes a token's row the same way whatever the batch (DESIGN 
 decode step at its model shape (row i of a T-row call against the same row alone), then the whole trunk: 4 decode
 steps against one 4-token forward from the same state.
 
-  python scripts/gpu/batch_invariance.py [--preset seed-mtp] [--layers 4] [--T 4]
+  python scripts/gpu/batch_invariance.py [--preset seed-mtp] [--layers 4] [--T 4] [--x8 dp4a]
 
 Prints one line per check: bitwise equal or the largest difference. Runs on CPU too (interpret kernels: slow).
 """
@@ -17,7 +17,7 @@ import numpy as np
 from configs.presets import preset
 from model import api
 from model.writer import quant_policy, random_params
-from ops import moe_pallas, qmatmul_pallas, quant
+from ops import dot8, moe_pallas, qmatmul_pallas, quant
 from ops.layers import rms_norm
 from ops.qtensor import QTensor, with_kernels
 
@@ -29,6 +29,7 @@ ap.add_argument("--glue", default="on,off", help="model.options.Options.glue set
 ap.add_argument("--proj_types", default="Q8_0", help="projection types of the qmatmul rows (Q4_K, IQ3_S, Q6_K: "
                 "their tiles shrink with the batch above ops.qmatmul_pallas.INVARIANT_B)")
 ap.add_argument("--moe_types", default="IQ3_S", help="routed-expert types of the moe_pallas rows (Q4_K: its word-shaped tile)")
+ap.add_argument("--x8", default="", help="also the qmatmul and moe rows with their tiles' x8 (ops/dot8): dp4a or int")
 a = ap.parse_args()
 cpu = jax.default_backend() == "cpu"
 kern = "interpret" if cpu else "pallas"
@@ -65,6 +66,10 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
       w = QTensor.from_gguf(quant.random_blocks(pq, (N, K), rng, scale=1e-2), pq, K).replace(kernel=kern)
       xx = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
       report(f"qmatmul_pallas {pq} N {N} K {K}", lambda x: qmatmul_pallas.qmatmul_pallas(x, w, interpret=cpu), xx)
+      if a.x8 and pq in dot8.TILES:
+        t8 = qmatmul_pallas.Tuning(x8=a.x8)
+        report(f"qmatmul_pallas {pq} N {N} K {K} x8 {a.x8}",
+               lambda x: qmatmul_pallas.qmatmul_pallas(x, w, interpret=cpu, tuning=t8), xx)
   F = cfg.d_ff_expert
   ids = jnp.asarray(np.stack([rng.choice(E, cfg.top_k, replace=False) for _ in range(T)]), jnp.int32)
   wts = jnp.asarray(rng.random((T, cfg.top_k)), jnp.float32)
@@ -73,6 +78,10 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
     dn = QTensor.from_gguf(quant.random_blocks(mq, (E, D, F), rng, scale=1e-2), mq, F).replace(kernel=kern)
     report(f"moe_pallas {mq} E {E} F {F} top {cfg.top_k}",
            lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu), x, ids, wts)
+    if a.x8 and mq in dot8.TILES:
+      t8 = moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(x8=a.x8))
+      report(f"moe_pallas {mq} E {E} F {F} top {cfg.top_k} x8 {a.x8}",
+             lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu, tuning=t8), x, ids, wts)
 
 # decode attention: the T rows of a verify pass against each query alone at its own causal length
 from model.kv_ring import KVRing  # noqa: E402

@@ -1,9 +1,9 @@
-"""Issue 27's first lever, as a probe: IQ3_S and Q4_K matvecs with x in 8 bits and integer dots (llama.cpp's MMVQ).
+"""Issue 27's first lever, as a probe: matvecs with x in 8 bits and integer dots (llama.cpp's MMVQ form).
 
-The shipped float tiles (ops/qmatmul_pallas) spend ~10 (IQ3_S) and ~6 (Q4_K) SASS instructions a value, about
-twice what full bandwidth allows (PERF "Quantized kernels"). ops/dot8 rounds x to int8 per 32 values and sums
-groups of four weights with dp4a; this probe runs its tiles as a plain matvec (one token, grid over row tiles)
-beside the shipped qmatmul kernel, so the tiles' speed is measured without the MoE around them.
+The float tiles (ops/qmatmul_pallas) spend ~10 (IQ3_S), ~6 (Q4_K) and ~4 (Q8_0) SASS instructions a value, about
+twice what full bandwidth allows for the first two (PERF "Quantized kernels"). ops/dot8 rounds x to int8 per 32
+values and sums groups of four weights with dp4a (`Tuning.x8`); this probe runs the projection kernel with and
+without it on one token, so the tiles' speed is measured without the model around them.
 
   python scripts/gpu/dp4a_probe.py --check          # CPU: interpret mode (int32 dp4a) against float64 numpy
   python scripts/gpu/dp4a_probe.py --check --time   # GPU: compiled check (PTX dp4a), then the shipped kernel
@@ -24,47 +24,25 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
+from ops import dot8, quant  # noqa: E402
 from ops import qmatmul_pallas as qp  # noqa: E402
-from ops import dot8, quant, repack  # noqa: E402
+from ops.qtensor import QTensor  # noqa: E402
 
-I32, F32 = jnp.int32, jnp.float32
+F32 = jnp.float32
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("check", False, "the probe against a float64 numpy matvec of the same quantized x")
 flags.DEFINE_bool("time", False, "time the shipped kernel and the probe's tiles, interleaved (GPU)")
-flags.DEFINE_string("types", "IQ3_S,Q4_K", "weight types, comma separated")
+flags.DEFINE_string("types", "Q8_0,IQ3_S,Q4_K", "weight types, comma separated")
 flags.DEFINE_string("shape", "16384,2048", "N,K of the timed matvec (16384 x 2048: 14.4 MB IQ3_S, 18.9 MB Q4_K)")
-flags.DEFINE_string("tiles", "16:8:4,16:4:4,32:8:4,8:8:2", "probe tiles BN:S:num_warps, comma separated")
+flags.DEFINE_string("tiles", "16:8:4,32:8:4,8:8:2", "more x8 tiles BN:S:num_warps, comma separated")
 flags.DEFINE_integer("iters", 200, "timed calls per cell and repeat")
 
 
-def _kernel(xw_ref, dx_ref, xs_ref, tab_ref, *refs, qtype, N, BN, S, nb, dot):
-  *w_refs, o_ref = refs
-  W = dict(zip(repack.plane_names(qtype), w_refs))
-  rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), N - 1)
-
-  def step(j, acc):
-    at = lambda ref: (lambda *idx: ref[(0, pl.ds(j * S, S), *idx)])
-    return acc + dot8.TILES[qtype](lambda name, *idx: W[name][(rows, pl.ds(j * S, S), *idx)], at(xw_ref),
-                                   at(dx_ref), at(xs_ref), tab_ref, dot)
-
-  o_ref[rows] = qp.block_loop(nb // S, 1, step, jnp.zeros((BN,), F32))
-
-
-@functools.partial(jax.jit, static_argnames=("qtype", "BN", "S", "num_warps", "interpret"))
-def dp4a_matvec(x, planes, *, qtype, BN=16, S=8, num_warps=4, interpret=False):
-  """x [K] @ W[N, K]^T for W of `qtype` (IQ3_S or Q4_K) given as its repacked planes, the ops/dot8 tiles with the
-  PTX dp4a (the int32 form in interpret mode): float32 [N]."""
-  N, nb = planes[0].shape[:2]
-  S = min(S, nb)
-  kernel = functools.partial(_kernel, qtype=qtype, N=N, BN=BN, S=S, nb=nb, dot=dot8.dot_fn("dp4a", interpret))
-  return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((N,), F32), grid=(pl.cdiv(N, BN),),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret,
-      name=f"dp4a_{qtype.lower()}",
-  )(*dot8.x8_input(x[None], qtype), qp.table(qtype), *planes)
+def matvec(x, w, tile: str | None = None, x8: str | None = "dp4a", interpret: bool = False):
+  """x [K] @ W^T through qmatmul_pallas with the tile BN:S:num_warps (None: the table's) and Tuning.x8."""
+  fields = {} if tile is None else dict(zip(("BN", "S", "num_warps"), map(int, tile.split(":"))))
+  return qp.qmatmul_pallas(x[None], w, tuning=qp.Tuning(**fields, x8=x8), interpret=interpret)[0]
 
 
 def reference(x, data_u8, qtype, K):
@@ -76,7 +54,7 @@ def reference(x, data_u8, qtype, K):
 
 def _data(qtype, N, K, seed=0):
   data = quant.random_blocks(qtype, (N, K), np.random.default_rng(seed))
-  return data, tuple(jnp.asarray(p) for p in repack.repack_np(data, qtype, K))
+  return data, QTensor.from_gguf(data, qtype, K)
 
 
 def main(_):
@@ -85,35 +63,33 @@ def main(_):
   if FLAGS.check:
     for qtype in types:
       for N, K, BN, S in ((40, 512, 16, 2), (64, 1024, 16, 4), (33, 2048, 8, 8)):
-        data, planes = _data(qtype, N, K)
+        data, w = _data(qtype, N, K)
         x = np.random.default_rng(1).standard_normal(K).astype(np.float32)
-        got = np.asarray(dp4a_matvec(jnp.asarray(x), planes, qtype=qtype, BN=BN, S=S, interpret=interpret), np.float64)
+        got = np.asarray(matvec(jnp.asarray(x), w, f"{BN}:{S}:4", interpret=interpret), np.float64)
         want = reference(x, data, qtype, K)
         err = np.max(np.abs(got - want)) / np.max(np.abs(want))
         print(f"check {qtype} N {N} K {K} BN {BN} S {S} ({'interpret, emulated' if interpret else 'compiled, PTX'} "
               f"dp4a): max rel error {err:.2e} {'ok' if err < 1e-5 else 'FAIL'}")
   if FLAGS.time:
-    from ops.qtensor import QTensor
     N, K = (int(v) for v in FLAGS.shape.split(","))
     x = jnp.asarray(np.random.default_rng(1).standard_normal(K).astype(np.float32))
     for qtype in types:
-      data, planes = _data(qtype, N, K)
-      wq = QTensor.from_planes(planes, qtype, K, kernel="pallas")
-      cells = {"shipped": lambda x: qp.qmatmul_pallas(x[None], wq)[0]}
+      data, w = _data(qtype, N, K)
+      cells = {"shipped": functools.partial(matvec, w=w, x8=None),
+               "x8, the table's tile": functools.partial(matvec, w=w)}
       for t in FLAGS.tiles.split(","):
-        BN, S, nw = (int(v) for v in t.split(":"))
-        cells[f"dp4a BN {BN} S {S} warps {nw}"] = functools.partial(dp4a_matvec, planes=planes, qtype=qtype, BN=BN,
-                                                                      S=S, num_warps=nw)
+        cells[f"x8, tile {t}"] = functools.partial(matvec, w=w, tile=t)
       want = reference(np.asarray(x), data, qtype, K)
       loops = {}
       for name, f in cells.items():
         y = np.asarray(f(x), np.float64)
-        print(f"value {qtype} {name}: max rel error against the rounded x {np.max(np.abs(y - want)) / np.max(np.abs(want)):.2e}")
+        err = np.max(np.abs(y - want)) / np.max(np.abs(want))
+        print(f"value {qtype} {name}: max rel error against the rounded x {err:.2e}")
         # c[0] * 0 ties each call to the last one, so XLA neither hoists nor overlaps them
         loops[name] = jax.jit(lambda x, f=f: jax.lax.fori_loop(0, FLAGS.iters, lambda i, c: c + f(x + c[0] * 0),
                                                                 jnp.zeros((N,), F32)))
         loops[name](x).block_until_ready()
-      nbytes = sum(int(p.nbytes) for p in planes)
+      nbytes = w.nbytes
       times = {n: [] for n in loops}
       for _ in range(5):                              # interleaved repeats
         for name, f in loops.items():

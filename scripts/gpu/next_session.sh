@@ -9,9 +9,10 @@
 # "The seed's experiment at 128K"; the numbered parts below are earlier sessions' measurements, kept as the
 # commands their PERF sections cite). Run a ring's calls back to back: a warm machine keeps .jaxcache between calls
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
-#   dp4a      issue 27: IQ3_S and Q4_K tiles on 8-bit x with dp4a (ops/dot8) checked compiled and timed against the
-#             shipped kernel (scripts/gpu/dp4a_probe.py), then the 30B step with them in the experts' gate/up
-#             (--glue on/x8=dp4a) against the float tiles; ~8 min. First: it decides the next kernel work
+#   dp4a      issue 27: Q8_0, IQ3_S and Q4_K tiles on 8-bit x with dp4a (ops/dot8) checked compiled and timed
+#             against the float tiles (scripts/gpu/dp4a_probe.py), then the 30B step with them in the experts'
+#             gate/up (--glue on/x8=dp4a) and the projections too (px8), interleaved; their rows' batch invariance;
+#             ~9 min. First: it decides the next kernel work
 #   seed128c  issue 26 item 4 at 128K: ring 49,152 seed 1 (BS, BR, BN); ~9 min cold
 #   seed128d  the same ring's seed 2, right after seed128c (~6 min warm)
 #   seed128b  ring 32,768 seed 2 of AR and AN (AS has its three seeds); ~9 min cold
@@ -48,9 +49,11 @@ dp4a)  # issue 27: ops/dot8's tiles as a matvec against the shipped kernel, then
   timeout ${TD:-200} python3 scripts/gpu/dp4a_probe.py --check --time 2>&1 | grep -vE "^(W|I)[0-9]" \
     | tee $OUT/dp4a.txt
   for x in IQ3_S Q4_K; do
-    timeout ${TS:-170} $S30 --experts $x --glue on,on/x8=dp4a,on,on/x8=dp4a --cells 4096:1024:auto:pallas 2>&1 | filt \
-      | tee -a $OUT/x8-step.log | tail -6
-  done ;;
+    timeout ${TS:-170} $S30 --experts $x --glue on,on/x8=dp4a,on/x8=dp4a/px8=dp4a,on,on/x8=dp4a,on/x8=dp4a/px8=dp4a \
+      --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/x8-step.log | tail -8
+  done
+  timeout ${TI:-120} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 2 --proj_types Q8_0 \
+    --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8-invariance.txt | grep -E "x8|DIFF" ;;
 seed128b)  ONLY=AR,AN FIRST=2 SEEDS=1 JOBS=2 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 seed128c)  ONLY=BS,BR,BN FIRST=1 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 seed128d)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;

@@ -348,7 +348,7 @@ from model import api
 from model.api import fuse_qkv
 from model.kv_ring import KVRing
 from model.writer import quant_policy, random_params
-from ops import attention_pallas
+from ops import attention_pallas, qmatmul_pallas
 from ops.qtensor import with_kernels
 on, t = step.glue_options("on/rope=1/router=64:2048:8:1/xnat=Q4_K:4")
 assert on and t.rope_write.q_programs == 1 and t.router.programs == 64 and t.router.route_warps == 1
@@ -357,8 +357,11 @@ assert t.pick("moe", "Q4_K").down.natural_b == 4 and t.pick("moe", "IQ3_S").gate
 t = step.glue_options("on/xnat=Q4_K:4/qmm=256")[1]
 assert t.pick("qmatmul", "Q8_0").programs == 256 and t.pick("qmatmul", "Q4_K").natural_b == 4
 t = step.glue_options("on/xnat=Q4_K:4/x8=dp4a")[1]
-assert t.pick("moe", "Q4_K").x8 == "dp4a" and t.pick("moe", "Q4_K").down.natural_b == 4
-assert t.pick("moe", "IQ3_S").x8 == "dp4a" and t.pick("moe", "Q8_0").x8 is None
+assert t.pick("moe", "Q4_K").gateup.x8 == "dp4a" and t.pick("moe", "Q4_K").gateup.natural_b == 4
+assert t.pick("moe", "Q4_K").down == qmatmul_pallas.Tuning(natural_b=4) and t.pick("qmatmul", "Q8_0").x8 is None
+assert t.pick("moe", "IQ3_S").gateup.x8 == "dp4a" and t.pick("moe", "Q6_K").gateup.x8 is None
+t = step.glue_options("on/px8=int")[1]
+assert t.pick("qmatmul", "Q8_0").x8 == "int" and t.pick("qmatmul", "Q6_K").x8 is None and t.moe is None
 assert step.glue_options("on/tier=16384")[1].tier_block == 16384 and step.glue_options("on")[1].tier_block is None
 assert step.glue_options("on/tier=4096/span=4096")[1].tier_span == 4096
 o = step.cell_options("on", "bf16x2/16/4/1")

@@ -242,11 +242,11 @@ def test_moe_skip_pairs_with_a_negative_id(gq, dq, ks):
   assert _relerr(y, moe_ops.moe_ref(x, at0, jnp.asarray(w), g, u, d)) < TOL_MOE
 
 
-@pytest.mark.parametrize("gq", ["IQ3_S", "Q4_K"])
+@pytest.mark.parametrize("gq", ["IQ3_S", "Q4_K", "Q8_0"])
 def test_moe_x8_gateup_matches_reference_on_the_rounded_x(gq):
-  """Tuning.x8 (ops/dot8: x rounded to 8 bits per 32 values, integer dots; interpret mode runs the int32 form of
-  "dp4a"): equal to the reference fed dot8.rounded_x, stacked and split over K too; a row's result does not
-  depend on the other rows (bitwise: one token against three); a type without 8-bit tiles is a one-line error."""
+  """gate/up's tile x8 (ops/dot8: x rounded to 8 bits per 32 values, integer dots; interpret mode runs the int32
+  form of "dp4a"): equal to the reference fed dot8.rounded_x, stacked and split over K too; a row's result does
+  not depend on the other rows (bitwise: one token against three); x8 on down is a one-line error."""
   rng = np.random.default_rng(19)
   L, E, F, D, K, B = 2, 4, 256, 512, 2, 3
   g = QTensor.from_gguf(quant.random_blocks(gq, (L, E, F, D), rng), gq, D)
@@ -258,14 +258,34 @@ def test_moe_x8_gateup_matches_reference_on_the_rounded_x(gq):
   want = moe_ops.moe_ref(dot8.rounded_x(x), ids, w, g[1], u[1], d[1])
   assert _relerr(moe_ops.moe_ref(x, ids, w, g[1], u[1], d[1]), want) > 1e-4       # the rounding is visible
   for x8, ks in (("dp4a", 1), ("int", 2)):
-    ov = moe_pallas.Tuning(gateup=QMM(BN=64, S=1), down=QMM(BN=64, S=1), ks=ks, x8=x8)
+    ov = moe_pallas.Tuning(gateup=QMM(BN=64, S=1, x8=x8), down=QMM(BN=64, S=1), ks=ks)
     y = moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, tuning=ov)
     assert _relerr(y, want) < TOL_MOE, (x8, ks)
   y1 = moe_pallas.moe_pallas(x[1:2], ids[1:2], w[1:2], g, u, d, layer=1, interpret=True, tuning=ov)
   np.testing.assert_array_equal(np.asarray(y1[0]), np.asarray(y[1]))
-  q8 = QTensor.from_gguf(quant.random_blocks("Q8_0", (E, F, D), rng), "Q8_0", D)
-  with pytest.raises(ValueError, match="x8='int' with Q8_0 experts"):
-    moe_pallas.moe_pallas(x, ids, w, q8, q8, d[0], interpret=True, tuning=moe_pallas.Tuning(x8="int"))
+  with pytest.raises(ValueError, match="moe_pallas down: x8='int'"):
+    moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, tuning=moe_pallas.Tuning(down=QMM(x8="int")))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "IQ3_S", "Q4_K"])
+def test_qmatmul_x8_matches_reference_on_the_rounded_x(qtype):
+  """The projection kernel with x8: B = 3 tokens against qmatmul_ref on dot8.rounded_x, and each row against the
+  one-token call's (bitwise only on the GPU, scripts/gpu/batch_invariance.py: XLA on CPU fuses the interpreted
+  body into its context); a type without 8-bit tiles is a one-line error."""
+  rng = _rng(qtype, "x8")
+  K, N = 512, 40
+  w = QTensor.from_gguf(quant.random_blocks(qtype, (N, K), rng), qtype, K)
+  x = jnp.asarray(rng.standard_normal((3, K)).astype(np.float32))
+  t = SMALL._replace(x8="dp4a")
+  y = qmatmul_pallas.qmatmul_pallas(x, w, interpret=True, tuning=t)
+  assert _relerr(y, qmatmul.qmatmul_ref(dot8.rounded_x(x), w)) < TOL_MATMUL
+  assert _relerr(qmatmul.qmatmul_ref(x, w), qmatmul.qmatmul_ref(dot8.rounded_x(x), w)) > 1e-4
+  for b in range(3):
+    np.testing.assert_allclose(np.asarray(qmatmul_pallas.qmatmul_pallas(x[b:b + 1], w, interpret=True, tuning=t)[0]),
+                               np.asarray(y[b]), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(y))))
+  q6 = QTensor.from_gguf(quant.random_blocks("Q6_K", (N, K), rng), "Q6_K", K)
+  with pytest.raises(ValueError, match="qmatmul_pallas: x8='dp4a' with Q6_K weights"):
+    qmatmul_pallas.qmatmul_pallas(x, q6, interpret=True, tuning=t)
 
 
 def test_qmatmul_stacked_layer_index_matches_reference():

@@ -79,16 +79,22 @@ def test_moe_stacked_and_split_k_lower(platform):
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))
-@pytest.mark.parametrize("gq", ["IQ3_S", "Q4_K"])
-def test_moe_x8_gateup_lowers(gq, platform):
-  """The 8-bit x gate/up (ops/dot8) lowers: the PTX dp4a on CUDA, its int32 form on both platforms."""
-  g, d = _abstract_qtensor(gq, (64, 768, 2048)), _abstract_qtensor("Q4_K", (64, 2048, 768))
+@pytest.mark.parametrize("qtype", ["Q8_0", "IQ3_S", "Q4_K"])
+def test_x8_tiles_lower(qtype, platform):
+  """The 8-bit x tiles (ops/dot8) lower in the MoE's gate/up and the projection kernel: the PTX dp4a on CUDA, its
+  int32 form on both platforms."""
+  g, d = _abstract_qtensor(qtype, (64, 768, 2048)), _abstract_qtensor("Q4_K", (64, 2048, 768))
   x = jax.ShapeDtypeStruct((1, 2048), jnp.float32)
   ids, w = jax.ShapeDtypeStruct((1, 8), jnp.int32), jax.ShapeDtypeStruct((1, 8), jnp.float32)
   for x8 in ("dp4a", "int") if platform == "cuda" else ("int",):
+    t = qmatmul_pallas.Tuning(x8=x8)
     txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(
-        x, i, w, g, u, d, tuning=moe_pallas.Tuning(x8=x8)), x, ids, w, g, g, d)
+        x, i, w, g, u, d, tuning=moe_pallas.Tuning(gateup=t)), x, ids, w, g, g, d)
     assert txt.count("__gpu$xla.gpu.triton") == 2
+    x4 = jax.ShapeDtypeStruct((4, 2048), jnp.float32)
+    txt = _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w, tuning=t), x4,
+                 _abstract_qtensor(qtype, (5120, 2048)))
+    assert "__gpu$xla.gpu.triton" in txt
 
 
 @pytest.fixture(params=["f32", "bf16"])
