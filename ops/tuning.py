@@ -14,7 +14,7 @@ None everywhere is every kernel's table, today's defaults.
 >>> from ops import qmatmul_pallas
 >>> t = Tunings(qmatmul=ByType(Q4_K=qmatmul_pallas.Tuning(S=4)))
 >>> t.pick("qmatmul", "Q4_K"), t.pick("qmatmul", "Q8_0")
-(Tuning(BN=None, S=4, num_warps=None, num_stages=None, unroll=None, natural_b=None, programs=None), None)
+(Tuning(BN=None, S=4, num_warps=None, num_stages=None, unroll=None, natural_b=None, programs=None, x8=None), None)
 >>> hash(t) == hash(Tunings(qmatmul=ByType(Q4_K=qmatmul_pallas.Tuning(S=4))))
 True
 """
