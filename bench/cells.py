@@ -360,7 +360,7 @@ def _plan(model, arm: Arm, gen, k: int):
   return plan_request(model, ring=ring, kv=arm.kv, max_context=gen.max_context, k=k,
                       mtp_window=FLAGS.mtp_window if arm.draft == "mtp" else None, expert_cache=arm.cache,
                       budget=device_budget(FLAGS.device_budget), prefill_chunk=min(prefill_chunk(gen), arm.depth),
-                      fixed_ring=gen.kv_resident is not None)
+                      fixed_ring=gen.kv_resident is not None, tunings=gen.options.tunings)
 
 
 def _hit_rate(st: dict, phase: str = "decode") -> float | None:

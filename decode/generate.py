@@ -216,7 +216,7 @@ def _plan(model, gen, n_prompt: int, drafter: str):
   kw = dict(kv=gen.kv, max_context=gen.max_context, mtp_window=FLAGS.mtp_window if drafter == "mtp" else None, k=k,
             expert_cache=FLAGS.expert_cache, budget=device_budget(FLAGS.device_budget),
             prefill_chunk=min(prefill_chunk(gen), n_prompt),
-            fixed_ring=gen.kv_resident is not None)
+            fixed_ring=gen.kv_resident is not None, tunings=gen.options.tunings)
   plan, slots = plan_request(model, ring=ring, **kw)
   import jax
   if plan.budget is None and jax.default_backend() == "cpu":   # no device budget: the host's memory holds every item

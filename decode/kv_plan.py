@@ -157,13 +157,14 @@ class MemoryPlan:
 def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16", max_context: int | None = None,
               mtp_window: int | None = None, k: int = 0, expert_bytes: int = 0, expert_cache_bytes: int | None = None,
               prefill_chunk: int = 1024, budget: int | None = None, fixed_ring: bool = True,
-              devices: dict[str, int] | None = None, kv_shards: int = 1) -> MemoryPlan:
+              devices: dict[str, int] | None = None, kv_shards: int = 1, tunings=None) -> MemoryPlan:
   """The plan for one request shape. weight_bytes: all params; expert_bytes: the routed experts' share of it;
   expert_cache_bytes: device slots when experts are cached (None: all resident). fixed_ring: the ring is the
   request's --kv_resident; False for an auto ring (the request's bucket), which grows and never gets a host tier.
   devices (under a mesh): the params' bytes on each device (model.mesh.device_bytes); the "weights" item is then
   the fullest device's, every other item replicated on each device, but the K/V rings, split by head over
-  `kv_shards` devices (the mesh's tp where the heads divide: model.mesh.heads_split)."""
+  `kv_shards` devices (the mesh's tp where the heads divide: model.mesh.heads_split). tunings (ops.tuning.Tunings):
+  the request's, for the tier's piece sizes (None: the defaults)."""
   items = []
   if devices:
     if expert_cache_bytes is not None:
@@ -193,12 +194,13 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     scratch, tier = tier_layout(max_context, ring, k)
     items.append(Item("host tier", tier * kv_bytes_per_token(cfg, n_attn, kv), "host", mode=1))
     # attention moves the tier to the device one piece of one layer at a time (ops.attention.tier_attention): the
-    # largest piece, a span at the default tunings (model.host_tier), is on the device while it runs
+    # largest piece, a span (model.host_tier, the request's tunings), is on the device while it runs
     from model.host_tier import tier_block, tier_span
     from model.state import ATTN_BLOCK
     from ops.attention import tier_pieces
-    tb = tier_block(ring - scratch, ATTN_BLOCK)
-    items.append(Item("tier pieces", max(tier_pieces(tier, tb, tier_span(tb))) * kv_bytes_per_token(cfg, 1, kv)))
+    tb = tier_block(ring - scratch, ATTN_BLOCK, tunings and tunings.tier_block)
+    span = tier_span(tb, tunings and tunings.tier_span)
+    items.append(Item("tier pieces", max(tier_pieces(tier, tb, span)) * kv_bytes_per_token(cfg, 1, kv)))
   if cfg.n_nextn and mtp_window:
     items.append(Item("drafter ring", (mtp_window + k + 1) * kv_bytes_per_token(cfg, cfg.n_nextn, kv) // kv_shards,
                       mode=2))
@@ -266,7 +268,7 @@ def check_host_memory(plan: MemoryPlan, limit: int | None = None) -> MemoryPlan:
 
 def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_window: int | None, k: int,
                  expert_cache: str = "all", budget: int | None = None, prefill_chunk: int = 1024,
-                 fixed_ring: bool = True) -> tuple[MemoryPlan, int | None]:
+                 fixed_ring: bool = True, tunings=None) -> tuple[MemoryPlan, int | None]:
   """The plan of one request and the expert-cache slots it gives: (plan, slots or None for all resident).
 
   expert_cache: "all" | "auto" (slots from what is free after everything else; all resident, slots None, when
@@ -274,11 +276,12 @@ def plan_request(model, *, ring: int, kv: str, max_context: int | None, mtp_wind
   prefill_chunk: tokens per prefill call, the prompt's first (the workspace; with slots, a chunk of more (token,
   expert) pairs than experts also needs two streamed blocks, before the slots exist: `auto` sizes the slots from
   what the steady items leave; the engine's chunk is decode.engine.prefill_chunk(gen));
-  fixed_ring: as make_plan's (False for an auto ring: no host tier)."""
+  fixed_ring, tunings: as make_plan's (False for an auto ring: no host tier)."""
   from model.mesh import device_bytes, heads_split, mesh_of, tp_of
   total, experts = param_bytes(model.params)
   base = dict(weight_bytes=total, expert_bytes=experts, ring=ring, kv=kv, max_context=max_context,
-              mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk, fixed_ring=fixed_ring)
+              mtp_window=mtp_window, k=k, budget=budget, prefill_chunk=prefill_chunk, fixed_ring=fixed_ring,
+              tunings=tunings)
   if mesh_of(model.params) is not None:          # per device: its share of the params, the rest replicated
     if expert_cache != "all":
       raise PlanError(f"memory plan: --expert_cache {expert_cache} under a mesh, expected all (every expert resident)")

@@ -203,9 +203,10 @@ def test_plain_and_speculative_requests_beside_a_tier_share_one_window():
 def test_memory_plan_counts_the_host_tier_the_engine_allocates():
   """kv_plan's host tier item is the bytes of the tier a request allocates: indexed by position, max_context plus
   the scratch slots (it said max_context - ring before, 1.6 GB short of the 6.9 GB tier of a seed4 arm); its
-  "tier pieces" item the largest piece of it that attention moves to the device."""
+  "tier pieces" item the largest piece of it that attention moves to the device, at the request's tunings."""
   from decode import engine
   from decode.kv_plan import make_plan
+  from ops.tuning import Tunings
   m = _model()
   gen = engine.GenConfig(max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024)
   for k in (0, 3):
@@ -217,6 +218,10 @@ def test_memory_plan_counts_the_host_tier_the_engine_allocates():
     C = host.k[0].shape[0]
     per_position = sum(a[0].nbytes for a in (host.k, host.v, host.k_scale, host.v_scale)) // C
     assert C == 1032 and plan.get("tier pieces") == 1024 * per_position > 0
+    # a request's own tunings: spans of 256 positions (the ring's 256-position attention block is the floor)
+    spans = make_plan(m.cfg, weight_bytes=0, ring=256, kv="int8", max_context=1024, k=k,
+                      tunings=Tunings(tier_span=256))
+    assert spans.get("tier pieces") == 256 * per_position
   # an auto ring grows to hold the request and never gets a tier: the plan lists none
   auto = dataclasses.replace(gen, kv_resident=None)
   started = engine.start_request(m, _prompt(300, seed=7), auto, k=3)
