@@ -51,6 +51,9 @@ flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNor
                   "RoPE + ring write; Options.glue, with --kernels pallas); off: the XLA ops; on may carry tuning "
                   "overrides (see glue_options), e.g. on/rope=1/router=64:2048:8:1/xnat=0; a list runs every "
                   "variant cell by cell in one process (the A/B)")
+flags.DEFINE_bool("interleave", False, "build and compile every cell first, then run the timed repeats in turns "
+                  "(cell 1, 2, .., 1, 2, ..): an A/B free of the cells' order (the first cell of a call ran slower "
+                  "before; PERF 'The host tier read in spans'). Every cell's state is held at once; no --profile")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
 
@@ -179,48 +182,46 @@ def fill_host(ring, depth: int, capacity: int, seed: int = 1):
   return place_on_host(_random_kv(HostTier.like(ring, capacity), max(0, depth - ring.window), seed))
 
 
-def time_steps(params, cfg, ring, steps: int, repeats: int, host=None, trace_dir: str | None = None,
-               options=None) -> tuple[list[float], float]:
-  """Time the jitted plain loop (with a host tier when given): (seconds per decode step, one value per repeat;
-  seconds of the untimed first run, i.e. compile + one run). The state is donated to the loop, so every repeat
-  starts from the previous one's state rewound; with `trace_dir` one more run is traced with jax.profiler (a
-  perfetto trace, untimed). options: the model's (model.options.Options; None: the defaults)."""
-  import contextlib
+class StepTimer:
+  """One cell's jitted plain loop (with a host tier when given), run one timed repeat at a time, so that the cells
+  of an A/B can take turns (--interleave). The state is donated to the loop, so each run starts from the previous
+  one's state rewound. options: the model's (model.options.Options; None: the defaults)."""
 
-  import jax
-  import jax.numpy as jnp
+  def __init__(self, params, cfg, ring, steps: int, host=None, options=None):
+    from model.options import DEFAULT
+    self.params, self.cfg, self.ring, self.host, self.steps = params, cfg, ring, host, steps
+    self.kw = dict(cfg=cfg, temperature=0.0, top_p=1.0, options=options or DEFAULT)
+    self.base_len, self.ls = int(ring.length), None
 
-  from decode.engine import LoopState, decode_loop
-  from model import api
-  from model.options import DEFAULT
-  from model.recurrent import RecurrentState
-  kw = dict(cfg=cfg, temperature=0.0, top_p=1.0, options=options or DEFAULT)
-  base_len = int(ring.length)
-  out = []
-  ls = None
-  for r in range(repeats + 1 + bool(trace_dir)):
-    rec = RecurrentState.create(cfg) if cfg.recurrent_layers else None     # a hybrid model's DeltaNet state
-    st = (api.ModelState(ring, host=host, recurrent=rec) if ls is None
-          else ls.model.replace(ring=ls.model.ring.rewind(base_len)))
-    st, held = api.split_idle_tier(st, base_len + steps)     # steps inside the window run ring-only, as a request's
-    ls = LoopState(st, jnp.zeros((steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1), jax.random.PRNGKey(0),
-                   jnp.zeros((), bool), jnp.int32(-1))
+  def run(self, trace_dir: str | None = None) -> float:
+    """Seconds of one run of `steps` steps (the first compiles); with `trace_dir` traced with jax.profiler (a
+    perfetto trace)."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from decode.engine import LoopState, decode_loop
+    from model import api
+    from model.recurrent import RecurrentState
+    rec = RecurrentState.create(self.cfg) if self.cfg.recurrent_layers else None     # a hybrid model's DeltaNet state
+    st = (api.ModelState(self.ring, host=self.host, recurrent=rec) if self.ls is None
+          else self.ls.model.replace(ring=self.ls.model.ring.rewind(self.base_len)))
+    self.ring = self.host = None                                  # the loop donates them
+    st, held = api.split_idle_tier(st, self.base_len + self.steps)   # inside the window: ring-only, as a request's
+    ls = LoopState(st, jnp.zeros((self.steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1),
+                   jax.random.PRNGKey(0), jnp.zeros((), bool), jnp.int32(-1))
     # every input committed to the device, as the loop's outputs are (a host tier is committed to pinned host
     # memory): otherwise the first timed repeat, fed the compile run's outputs, compiles again (seen on the H200)
     ls = jax.tree.map(lambda x: x if x.committed else jax.device_put(x, jax.devices()[0]), ls)
     jax.block_until_ready(ls)
-    traced = trace_dir and r == repeats + 1
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True) if traced else contextlib.nullcontext():
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True) if trace_dir else contextlib.nullcontext():
       t0 = time.perf_counter()
-      ls = decode_loop(params, ls, jnp.int32(steps + 1), jnp.int32(-1), **kw)
+      ls = decode_loop(self.params, ls, jnp.int32(self.steps + 1), jnp.int32(-1), **self.kw)
       jax.block_until_ready(ls)
-    ls = ls.replace(model=api.join_tier(ls.model, held))
-    if r == 0:                                  # r == 0 compiles
-      first_run_s = time.perf_counter() - t0
-    elif not traced:
-      out.append((time.perf_counter() - t0) / steps)
-    ring = None
-  return out, first_run_s
+      dt = time.perf_counter() - t0
+    self.ls = ls.replace(model=api.join_tier(ls.model, held))
+    return dt
 
 
 def main(argv):
@@ -235,6 +236,8 @@ def main(argv):
   from ops.qtensor import with_kernels
   for g in FLAGS.glue:                        # every variant checked before the first cell runs
     glue_options(g)
+  if FLAGS.interleave and FLAGS.profile:
+    raise app.UsageError("--interleave with --profile: expected one of them (a traced run is not a timed turn)")
   cfg = preset(FLAGS.preset)
   table_dots = attention_pallas.TUNING.get(cfg.head_dim, attention_pallas.DEFAULT_TUNING).dots
   t0 = time.time()
@@ -258,28 +261,58 @@ def main(argv):
   cells = [c + (rw,) for c in cells for rw in FLAGS.glue]
   for _, _, _, at, _, rw in cells:
     cell_options(rw, at, FLAGS.attn_kernel)
-  with open(FLAGS.out, "a") as f:
-    for R, depth, kn, at, C, rw in tqdm(cells, desc="cells", file=sys.stderr):
-      opts = cell_options(rw, at, FLAGS.attn_kernel)
-      p = with_kernels(params, kn)
-      spec = at.replace("/", ":") if at.split("/")[0] in DOTS else None
+  def build(R, depth, kn, at, C, rw):
+    """The cell's StepTimer and its host tier's capacity (None: no tier)."""
+    if C is not None and C < depth + FLAGS.steps + 1:
+      raise ValueError(f"max_context {C} < depth {depth} + {FLAGS.steps + 1} steps")
+    host_cap = C if C is not None and C > R else None
+    ring = KVRing.create(len(cfg.attention_layers), R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R))
+    ring = fill_ring(ring, depth, wrap=host_cap is not None)
+    host = fill_host(ring, depth, host_cap) if host_cap else None
+    return StepTimer(with_kernels(params, kn), cfg, ring, FLAGS.steps, host, cell_options(rw, at, FLAGS.attn_kernel)), host_cap
+
+  def failed(cell, e):
+    R, depth, kn, at, _, rw = cell
+    print(f"cell R={R} depth={depth} {kn}/{at} glue {rw}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+          file=sys.stderr)
+
+  timed = {}                                  # cell -> (per-step seconds of each repeat, first run s, host tier)
+  if FLAGS.interleave:                        # every cell built and compiled, then the repeats take turns
+    timers = {}
+    for cell in tqdm(cells, desc="compile", file=sys.stderr):
       try:
-        if C is not None and C < depth + FLAGS.steps + 1:
-          raise ValueError(f"max_context {C} < depth {depth} + {FLAGS.steps + 1} steps")
-        host_cap = C if C is not None and C > R else None
-        ring = KVRing.create(len(cfg.attention_layers), R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R))
-        ring = fill_ring(ring, depth, wrap=host_cap is not None)
-        host = fill_host(ring, depth, host_cap) if host_cap else None
-        name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
-        tdir = os.path.join(FLAGS.profile, name) if FLAGS.profile else None
-        ts, first_s = time_steps(p, cfg, ring, FLAGS.steps, FLAGS.repeats, host, trace_dir=tdir, options=opts)
+        timer, host_cap = build(*cell)
+        timers[cell] = (timer, timer.run(), host_cap)
       except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
-        print(f"cell R={R} depth={depth} {kn}/{at}: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
-        continue
+        failed(cell, e)
+    for _ in tqdm(range(FLAGS.repeats), desc="rounds", file=sys.stderr):
+      for cell, (timer, _, _) in timers.items():
+        timed.setdefault(cell, []).append(timer.run() / FLAGS.steps)
+    timed = {c: (timed[c], first, host_cap) for c, (_, first, host_cap) in timers.items()}
+  with open(FLAGS.out, "a") as f:
+    for cell in tqdm(cells, desc="cells", file=sys.stderr, disable=FLAGS.interleave):
+      R, depth, kn, at, C, rw = cell
+      spec = at.replace("/", ":") if at.split("/")[0] in DOTS else None
+      if FLAGS.interleave:
+        if cell not in timed:
+          continue
+        ts, first_s, host_cap = timed[cell]
+      else:
+        try:
+          timer, host_cap = build(*cell)
+          name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
+          first_s = timer.run()
+          ts = [timer.run() / FLAGS.steps for _ in range(FLAGS.repeats)]
+          if FLAGS.profile:
+            timer.run(os.path.join(FLAGS.profile, name))
+          del timer
+        except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
+          failed(cell, e)
+          continue
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,
-             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "glue": rw,
+             "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "glue": rw, "interleaved": FLAGS.interleave,
              "attn_kernel": spec or FLAGS.attn_kernel or table_dots,
              "ms_per_step": ms,
              "all_ms": [t * 1e3 for t in ts], "first_run_s": first_s,

@@ -49,8 +49,8 @@ dp4a)  # issue 27: ops/dot8's tiles as a matvec against the shipped kernel, then
   timeout ${TD:-200} python3 scripts/gpu/dp4a_probe.py --check --time 2>&1 | grep -vE "^(W|I)[0-9]" \
     | tee $OUT/dp4a.txt
   for x in IQ3_S Q4_K; do
-    timeout ${TS:-170} $S30 --experts $x --glue on,on/x8=dp4a,on/x8=dp4a/px8=dp4a,on,on/x8=dp4a,on/x8=dp4a/px8=dp4a \
-      --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/x8-step.log | tail -8
+    timeout ${TS:-170} $S30 --experts $x --glue on,on/x8=dp4a,on/x8=dp4a/px8=dp4a --interleave --repeats 5 \
+      --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/x8-step.log | tail -6
   done
   timeout ${TI:-120} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 2 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8-invariance.txt | grep -E "x8|DIFF" ;;

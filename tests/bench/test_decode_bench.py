@@ -334,7 +334,8 @@ def test_replay_without_a_plain_arm_compares_with_its_own_plain_requests():
 
 
 def test_bench_step_cells_pass_their_choices_as_options():
-  """`bench.step --glue` and a cell's attention field become model Options (no module global is set): the
+  """`bench.step --glue` and a cell's attention field become model Options (no module global is set); a cell's
+  StepTimer runs repeat plain greedy steps from the cell's state whatever runs between them (--interleave); the
   overrides land in the Tunings the kernels take, retired and malformed values are one-line usage errors, and a
   decode step of a tiny model run under a variant's Options (glue kernels and the decode attention kernel in
   interpret mode, tuned) gives the logits of the plain XLA path. (Its own process: bench.step and bench.cells
@@ -385,6 +386,18 @@ got = run(with_kernels(params, "interpret"), opts)
 with jax.default_matmul_precision("highest"):
   ref = run(with_kernels(params, "xla"), step.cell_options("off", "ref"))
 assert got.argmax() == ref.argmax() and np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-4, np.linalg.norm(got - ref)
+# StepTimer (--interleave: two cells' runs taking turns): every run starts from its cell's state rewound and emits
+# the tokens of plain greedy steps from that state
+xp, o = with_kernels(params, "xla"), step.cell_options("off", "ref")
+st, tok, want = api.ModelState(ring()), jnp.int32(1), []
+for _ in range(3):
+  lg, _, st = api.decode_step(xp, tok, st, cfg=cfg, options=o)
+  tok = jnp.argmax(lg).astype(jnp.int32)
+  want.append(int(tok))
+timers = [step.StepTimer(xp, cfg, ring(), 3, options=o) for _ in range(2)]
+for _ in range(3):
+  for t in timers:
+    assert t.run() > 0 and [int(v) for v in np.asarray(t.ls.out)[1:4]] == want, (np.asarray(t.ls.out), want)
 print("ok")
 """
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
