@@ -242,6 +242,24 @@ def test_moe_skip_pairs_with_a_negative_id(gq, dq, ks):
   assert _relerr(y, moe_ops.moe_ref(x, at0, jnp.asarray(w), g, u, d)) < TOL_MOE
 
 
+def test_x8_rounding_is_numpys_and_within_half_a_step():
+  """dot8's rounding against numpy's (per 32 values dx = max|x| / 127, round half to even): the words hold the
+  rounded values in byte order, xsum is their sum times dx, each value is within dx / 2 of x; a block of zeros
+  stays zero."""
+  x = np.random.default_rng(23).standard_normal((2, 256)).astype(np.float32)
+  x[1, 32:64] = 0.0
+  words, dx, xsum = (np.asarray(a) for a in dot8.quantize_x(jnp.asarray(x)))
+  xb = x.reshape(2, 8, 32)
+  want_dx = np.abs(xb).max(axis=2) / np.float32(127)
+  want_dx[want_dx == 0] = 1
+  np.testing.assert_allclose(dx, want_dx, rtol=2e-7)                    # XLA may multiply by 1 / 127
+  q = np.clip(np.round(xb / dx[..., None]), -127, 127).astype(np.int8)
+  np.testing.assert_array_equal(words.view(np.int8).reshape(2, 8, 32), q)
+  np.testing.assert_allclose(xsum, want_dx * q.astype(np.float32).sum(axis=2), rtol=1e-6)
+  r = np.asarray(dot8.rounded_x(jnp.asarray(x))).reshape(2, 8, 32)
+  assert np.all(np.abs(r - xb) <= dx[..., None] / 2 * (1 + 1e-6)) and not r[1, 1].any()
+
+
 @pytest.mark.parametrize("gq", ["IQ3_S", "Q4_K", "Q8_0"])
 def test_moe_x8_gateup_matches_reference_on_the_rounded_x(gq):
   """gate/up's tile x8 (ops/dot8: x rounded to 8 bits per 32 values, integer dots; interpret mode runs the int32
