@@ -68,8 +68,10 @@ def _cases(names, precision="bf16"):
       g, d = _abstract_qtensor(q, (128, 768, 2048)), _abstract_qtensor("Q4_K", (128, 2048, 768))
       for x8 in (None, "dp4a"):
         t = qmatmul_pallas.Tuning(x8=x8)
-        yield (f"qmatmul_{q}_x8{x8}", functools.partial(lambda x, w, t: qmatmul_pallas.qmatmul_pallas(x, w, tuning=t),
-                                                         t=t), (x1, w))
+        for B in (1, 4):                        # a step and a verify pass at k = 3 (the same tiles)
+          yield (f"qmatmul_{q}_B{B}_x8{x8}", functools.partial(
+              lambda x, w, t: qmatmul_pallas.qmatmul_pallas(x, w, tuning=t), t=t),
+              (jax.ShapeDtypeStruct((B, 2048), jnp.float32), w))
         yield (f"moe_{q}_x8{x8}", functools.partial(lambda x, i, w, g, u, d, t: moe_pallas.moe_pallas(
             x, i, w, g, u, d, tuning=moe_pallas.Tuning(gateup=t)), t=t), (x1, ib, wb, g, g, d))
   if "grouped" in names:
