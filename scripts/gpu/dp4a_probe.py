@@ -75,10 +75,10 @@ def main(_):
     x = jnp.asarray(np.random.default_rng(1).standard_normal(K).astype(np.float32))
     for qtype in types:
       data, w = _data(qtype, N, K)
-      cells = {"shipped": functools.partial(matvec, w=w, x8=None),
-               "x8, the table's tile": functools.partial(matvec, w=w)}
+      cells = {"shipped": functools.partial(matvec, w=w, x8=None, interpret=interpret),
+               "x8, the table's tile": functools.partial(matvec, w=w, interpret=interpret)}
       for t in FLAGS.tiles.split(","):
-        cells[f"x8, tile {t}"] = functools.partial(matvec, w=w, tile=t)
+        cells[f"x8, tile {t}"] = functools.partial(matvec, w=w, tile=t, interpret=interpret)
       want = reference(np.asarray(x), data, qtype, K)
       loops = {}
       for name, f in cells.items():
