@@ -261,6 +261,7 @@ def main(argv):
   cells = [c + (rw,) for c in cells for rw in FLAGS.glue]
   for _, _, _, at, _, rw in cells:
     cell_options(rw, at, FLAGS.attn_kernel)
+
   def build(R, depth, kn, at, C, rw):
     """The cell's StepTimer and its host tier's capacity (None: no tier)."""
     if C is not None and C < depth + FLAGS.steps + 1:
@@ -269,46 +270,49 @@ def main(argv):
     ring = KVRing.create(len(cfg.attention_layers), R, cfg.n_kv_heads, cfg.head_dim, FLAGS.kv, block=min(256, R))
     ring = fill_ring(ring, depth, wrap=host_cap is not None)
     host = fill_host(ring, depth, host_cap) if host_cap else None
-    return StepTimer(with_kernels(params, kn), cfg, ring, FLAGS.steps, host, cell_options(rw, at, FLAGS.attn_kernel)), host_cap
+    opts = cell_options(rw, at, FLAGS.attn_kernel)
+    return StepTimer(with_kernels(params, kn), cfg, ring, FLAGS.steps, host, opts), host_cap
 
   def failed(cell, e):
     R, depth, kn, at, _, rw = cell
     print(f"cell R={R} depth={depth} {kn}/{at} glue {rw}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
           file=sys.stderr)
 
-  timed = {}                                  # cell -> (per-step seconds of each repeat, first run s, host tier)
-  if FLAGS.interleave:                        # every cell built and compiled, then the repeats take turns
+  def runs():
+    """(cell, seconds per step of each timed repeat, seconds of the first run, host tier capacity) of every cell
+    that ran: cell by cell, or (--interleave) all compiled first and then their repeats in turns."""
+    if not FLAGS.interleave:
+      for cell in tqdm(cells, desc="cells", file=sys.stderr):
+        timer = None                          # the last cell's state goes before this one's is built
+        try:
+          timer, host_cap = build(*cell)
+          first = timer.run()
+          ts = [timer.run() / FLAGS.steps for _ in range(FLAGS.repeats)]
+          if FLAGS.profile:
+            R, depth, kn, at, _, rw = cell
+            name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
+            timer.run(os.path.join(FLAGS.profile, name))
+        except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
+          failed(cell, e)
+          continue
+        yield cell, ts, first, host_cap
+      return
     timers = {}
     for cell in tqdm(cells, desc="compile", file=sys.stderr):
       try:
         timer, host_cap = build(*cell)
-        timers[cell] = (timer, timer.run(), host_cap)
-      except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
+        timers[cell] = (timer, timer.run(), host_cap, [])
+      except Exception as e:  # noqa: BLE001
         failed(cell, e)
     for _ in tqdm(range(FLAGS.repeats), desc="rounds", file=sys.stderr):
-      for cell, (timer, _, _) in timers.items():
-        timed.setdefault(cell, []).append(timer.run() / FLAGS.steps)
-    timed = {c: (timed[c], first, host_cap) for c, (_, first, host_cap) in timers.items()}
+      for timer, _, _, ts in timers.values():
+        ts.append(timer.run() / FLAGS.steps)
+    for cell, (_, first, host_cap, ts) in timers.items():
+      yield cell, ts, first, host_cap
+
   with open(FLAGS.out, "a") as f:
-    for cell in tqdm(cells, desc="cells", file=sys.stderr, disable=FLAGS.interleave):
-      R, depth, kn, at, C, rw = cell
+    for (R, depth, kn, at, C, rw), ts, first_s, host_cap in runs():
       spec = at.replace("/", ":") if at.split("/")[0] in DOTS else None
-      if FLAGS.interleave:
-        if cell not in timed:
-          continue
-        ts, first_s, host_cap = timed[cell]
-      else:
-        try:
-          timer, host_cap = build(*cell)
-          name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
-          first_s = timer.run()
-          ts = [timer.run() / FLAGS.steps for _ in range(FLAGS.repeats)]
-          if FLAGS.profile:
-            timer.run(os.path.join(FLAGS.profile, name))
-          del timer
-        except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
-          failed(cell, e)
-          continue
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
              "host_tier": host_cap,

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from ops import qmatmul_pallas as qp
+from ops import qmatmul_pallas as qp           # the float tiles' helpers; qmatmul_pallas imports this module lazily
 from ops import quant
 
-U32, I32, F32 = jnp.uint32, jnp.int32, jnp.float32
+I32, F32 = jnp.int32, jnp.float32
 DOTS = ("dp4a", "int")            # Tuning values: the PTX instruction, or its int32 emulation
 
 # per type: x words of a block [*WVIEW] (word w of the block = values 4w .. 4w + 3, natural order) and its 32-value
@@ -77,15 +77,17 @@ def dp4a(a, b, c):
                                       pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, I32)])[0]
 
 
+def check(x8, qtype: str, kernel: str) -> None:
+  """A one-line error for a Tuning.x8 the kernel cannot run: not one of DOTS, or a type without 8-bit tiles."""
+  if x8 is not None and (x8 not in DOTS or qtype not in TILES):
+    raise ValueError(f"{kernel}: x8={x8!r} with {qtype} weights, expected one of {DOTS} for {'/'.join(TILES)}")
+
+
 def dot_fn(name: str, interpret: bool):
   """The dot of Tuning value `name` ("dp4a" | "int"); interpret mode runs int_dot for both."""
   if name not in DOTS:
     raise ValueError(f"dot8: dot {name!r}, expected one of {DOTS}")
   return int_dot if interpret or name == "int" else dp4a
-
-
-def _iota(shape, dim):
-  return jax.lax.broadcasted_iota(U32, shape, dim)
 
 
 def _tile_q8_0(ld, xs, tab, dot):
@@ -106,8 +108,8 @@ def _tile_iq3_s(ld, xs, tab, dot):
   qh = ld("qh", slice(None))[:, :, :, None, None]                      # [BN, S, 2, 1, 1]
   sg = ld("signs", slice(None), slice(None))[:, :, :, :, None]         # [BN, S, 2, 4, 1]
   sc = ld("scales")[:, :, None, None]                                  # [BN, S, 1, 1]
-  pp, w2 = _iota((1, 1, 2, 4, 1), 3), _iota((1, 1, 1, 1, 2), 4)
-  p = 4 * _iota((1, 1, 2, 4), 2) + _iota((1, 1, 2, 4), 3)
+  pp, w2 = qp._iota((1, 1, 2, 4, 1), 3), qp._iota((1, 1, 1, 1, 2), 4)
+  p = 4 * qp._iota((1, 1, 2, 4), 2) + qp._iota((1, 1, 2, 4), 3)
   db = d * (1 + 2 * ((sc >> (4 * p)) & 15)).astype(I32).astype(F32)   # [BN, S, 2, 4]
   gather, _ = qp.iq3s_grid(tab)
   words = []

@@ -66,8 +66,8 @@ def _lead(lid_ref, e):
 
 
 def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_qtype, stacked, KS, natural,
-                   natural_h, skip, x8, interpret):
-  if x8:
+                   natural_h, skip, tile8):
+  if tile8:
     xw_ref, dx_ref, xs_ref, tab_ref, *refs = refs
   else:
     x_ref, tab_ref, *refs = refs
@@ -89,11 +89,11 @@ def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_q
 
   def tile_sums(b0, s):
     b0 = b0 + off
-    if x8:
+    if tile8:
       at = lambda ref: (lambda *idx: ref[(t, pl.ds(b0, s), *idx)])
       xs = [(at(xw_ref), at(dx_ref), at(xs_ref))]
-      return tuple(dot8.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref,
-                                     dot8.dot_fn(x8, interpret))[0] for W in (G, U))
+      return tuple(tile8(lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
+                   for W in (G, U))
     xs = [lambda *idx: x_ref[(t, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     g = qp.TILES[qtype](lambda name, *idx: G[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     u = qp.TILES[qtype](lambda name, *idx: U[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
@@ -176,7 +176,8 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
   nat_g, nat_d = qp.x_natural(cg, 1), qp.x_natural(cd, 1)     # one token (or pair) per program in both kernels
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, X=X, F=F, BN=cg.BN, S=cg.S,
                              nb=nbD, unroll=cg.unroll, down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
-                             natural_h=nat_d, skip=skip, x8=cg.x8, interpret=interpret)
+                             natural_h=nat_d, skip=skip,
+                             tile8=cg.x8 and functools.partial(dot8.TILES[gq], dot=dot8.dot_fn(cg.x8, interpret)))
   xin = dot8.x8_input(x_TD, gq) if cg.x8 else (qp.x_input(x_TD.astype(F32), gq, nat_g),)
   parts = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg.BN), P, KS),
@@ -221,7 +222,7 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
   ks = int(t.ks or 1)
   if ks < 1 or nbD % ks or ks & (ks - 1):
     raise ValueError(f"moe_pallas gateup: ks={ks} must be a power of two dividing {nbD} blocks")
-  qp.check_x8(t.gateup and t.gateup.x8, gate.qtype, "moe_pallas gateup")
+  dot8.check(t.gateup and t.gateup.x8, gate.qtype, "moe_pallas gateup")
   if t.down is not None and t.down.x8 is not None:
     raise ValueError(f"moe_pallas down: x8={t.down.x8!r}, expected None (h is read in float)")
   return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes),

@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ops import dot8, quant, repack
+from ops import quant, repack
 from ops.tuning import fill
 
 U32, I32, F32 = jnp.uint32, jnp.int32, jnp.float32
@@ -445,13 +445,6 @@ def k_loop(nb: int, S: int, unroll: int, tile_sums, init):
   return accs
 
 
-def check_x8(x8, qtype: str, kernel: str) -> None:
-  """A one-line error for a Tuning.x8 the kernel cannot run: not a dot8 form, or a type without 8-bit tiles."""
-  if x8 is not None and (x8 not in dot8.DOTS or qtype not in dot8.TILES):
-    raise ValueError(f"{kernel}: x8={x8!r} with {qtype} weights, expected one of {dot8.DOTS} for "
-                     f"{'/'.join(dot8.TILES)}")
-
-
 def compiler_params(t):
   """Triton compiler parameters of a tile (any tuning value with num_warps and num_stages)."""
   return plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
@@ -460,8 +453,8 @@ def compiler_params(t):
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _qmm_kernel(*refs, qtype, names, B, N, BN, S, nb, unroll, stacked, natural, x8, interpret):
-  if x8:
+def _qmm_kernel(*refs, qtype, names, B, N, BN, S, nb, unroll, stacked, natural, tile8):
+  if tile8:
     xw_ref, dx_ref, xs_ref, tab_ref, *refs = refs
   else:
     x_ref, tab_ref, *refs = refs
@@ -473,10 +466,9 @@ def _qmm_kernel(*refs, qtype, names, B, N, BN, S, nb, unroll, stacked, natural, 
 
   def tile_sums(b0, s):
     ld = lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)]
-    if x8:
+    if tile8:
       at = lambda ref, b: (lambda *idx: ref[(b, pl.ds(b0, s), *idx)])
-      xs = [(at(xw_ref, b), at(dx_ref, b), at(xs_ref, b)) for b in range(B)]
-      return tuple(dot8.TILES[qtype](ld, xs, tab_ref, dot8.dot_fn(x8, interpret)))
+      return tuple(tile8(ld, [(at(xw_ref, b), at(dx_ref, b), at(xs_ref, b)) for b in range(B)], tab_ref))
     xs = [functools.partial(lambda b, *idx: x_ref[(b, pl.ds(b0, s), *x_index(qtype, natural, idx))], b)
           for b in range(B)]
     return tuple(row_sums(o) for o in TILES[qtype](ld, xs, tab_ref))
@@ -495,9 +487,15 @@ def _qmatmul(x2, layer, planes, *, qtype, n, interpret, cfg):
   nb = n // quant.GGML_TYPES[qtype][0]
   names = repack.plane_names(qtype)
   natural = x_natural(cfg, B)
+  if cfg.x8:                    # the 8-bit x tiles (imported here: dot8's tiles build on this module's helpers)
+    from ops import dot8
+    dot8.check(cfg.x8, qtype, "qmatmul_pallas")
+    tile8 = functools.partial(dot8.TILES[qtype], dot=dot8.dot_fn(cfg.x8, interpret))
+    xin = dot8.x8_input(x2, qtype)
+  else:
+    tile8, xin = None, (x_input(x2.astype(F32), qtype, natural),)
   kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=cfg.BN, S=cfg.S, nb=nb,
-                             unroll=cfg.unroll, stacked=stacked, natural=natural, x8=cfg.x8, interpret=interpret)
-  xin = dot8.x8_input(x2, qtype) if cfg.x8 else (x_input(x2.astype(F32), qtype, natural),)
+                             unroll=cfg.unroll, stacked=stacked, natural=natural, tile8=tile8)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((B, N), F32), grid=(pl.cdiv(N, cfg.BN),),
       compiler_params=compiler_params(cfg), interpret=interpret, name=f"qmatmul_{qtype.lower()}",
@@ -522,6 +520,5 @@ def qmatmul_pallas(x: jax.Array, w, *, layer=None, interpret: bool = False,
                      f"{'' if layer is None else ' and a layer index'} is not supported")
   nb = K // quant.GGML_TYPES[w.qtype][0]
   cfg = config(w.qtype, N, nb, tuning, batch=max(x2.shape[0], INVARIANT_B))
-  check_x8(cfg.x8, w.qtype, "qmatmul_pallas")
   y = _qmatmul(x2, layer, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret, cfg=cfg)
   return y.reshape(*lead, N)
