@@ -13,7 +13,7 @@
 #             against the float tiles (scripts/gpu/dp4a_probe.py), then the 30B step with them in the experts'
 #             gate/up (--glue on/x8=dp4a) and the projections too (px8), interleaved; their rows' batch invariance;
 #             ~9 min. First: it decides the next kernel work
-#   x8trace   the 30B step traced with and without x8, per kernel (issue 27 item 3's trace summary); ~4 min
+#   x8trace   the 30B step traced with and without x8, per kernel, both expert types (issue 27 item 3); ~7 min
 #   seed128c  issue 26 item 4 at 128K: ring 49,152 seed 1 (BS, BR, BN); ~9 min cold
 #   seed128d  the same ring's seed 2, right after seed128c (~6 min warm)
 #   seed128b  ring 32,768 seed 2 of AR and AN (AS has its three seeds); ~9 min cold
@@ -55,13 +55,16 @@ dp4a)  # issue 27: ops/dot8's tiles as a matvec against the shipped kernel, then
   done
   timeout ${TI:-120} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 2 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8-invariance.txt | grep -E "x8|DIFF" ;;
-x8trace)  # issue 27 item 3: where a 30B step's time goes with and without the x8 tiles (IQ3_S experts, 1K): one traced
-  # run of 32 steps per variant, summarised per kernel (launches, kernel time against the device span)
-  timeout ${TX:-300} $S30 --steps 32 --repeats 1 --glue on,on/x8=dp4a/px8=dp4a --profile $OUT/trace \
-    --cells 4096:1024:auto:pallas 2>&1 | filt | tail -4
-  for c in $OUT/trace/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
-    [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 32 --top 16 > $c.summary.txt 2>&1; rm -rf $c; done
-  head -40 $OUT/trace/*.summary.txt ;;
+x8trace)  # issue 27 item 3: where a 30B step's time goes with and without the x8 tiles, IQ3_S then Q4_K experts (1K):
+  # one traced run of 32 steps per variant, summarised per kernel (launches, kernel time against the device span);
+  # PART=dp4a's step A/B: x8 won 5 % with IQ3_S experts and lost 4 % with Q4_K, px8 moved nothing
+  for x in IQ3_S Q4_K; do
+    timeout ${TX:-200} $S30 --experts $x --steps 32 --repeats 1 --glue ${GX:-on,on/x8=dp4a} \
+      --profile $OUT/trace-$x --cells 4096:1024:auto:pallas 2>&1 | filt | tail -5
+    for c in $OUT/trace-$x/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
+      [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 32 --top 30 > $c.summary.txt 2>&1; rm -rf $c; done
+  done
+  tail -n 4 $OUT/trace-*/*.summary.txt ;;
 seed128b)  ONLY=AR,AN FIRST=2 SEEDS=1 JOBS=2 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 seed128c)  ONLY=BS,BR,BN FIRST=1 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
 seed128d)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
