@@ -62,7 +62,7 @@ x8trace)  # issue 27 item 3: where a 30B step's time goes with and without the x
     timeout ${TX:-200} $S30 --experts $x --steps 32 --repeats 1 --glue ${GX:-on,on/x8=dp4a} \
       --profile $OUT/trace-$x --cells 4096:1024:auto:pallas 2>&1 | filt | tail -5
     for c in $OUT/trace-$x/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
-      [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 32 --top 30 > $c.summary.txt 2>&1; rm -rf $c; done
+      [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 32 --top 30 > ${c//=/-}.summary.txt 2>&1; rm -rf $c; done
   done
   tail -n 4 $OUT/trace-*/*.summary.txt ;;
 seed128b)  ONLY=AR,AN FIRST=2 SEEDS=1 JOBS=2 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;
