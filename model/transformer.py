@@ -233,7 +233,7 @@ class MoE(nn.Module):
   glue: str = "ref"        # routing kernels: "pallas" | "interpret" | "ref" (glue_impl)
 
   @nn.compact
-  def __call__(self, x_TD, experts=None):
+  def __call__(self, x_TD, experts=None, x8=None):
     c = self.cfg
     D, E, F = c.d_model, c.n_experts, c.d_ff_expert
     router = _param(self, "router", _init, (E, D))
@@ -258,9 +258,9 @@ class MoE(nn.Module):
       # implies. The copy waits for the block's input (`after`), so the device holds a block's experts at a time,
       # overlapping its neighbour's at most (decode.kv_plan "streamed experts"). A no-op on the device.
       gate, up, down = (xc.to_device(t, after=x_TD) for t in (gate, up, down))
-      y = moe(x_TD, ids_TX, w_TX, gate, up, down)
+      y = moe(x_TD, ids_TX, w_TX, gate, up, down, **_x8(x8))
     else:
-      y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe)
+      y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe, x8)
     if c.n_shared_experts or c.shared_expert_gate:
       ys = swiglu_mlp(self, x_TD, "_shexp", D, c.d_ff_shared)
       if c.shared_expert_gate:
@@ -274,15 +274,20 @@ class MoE(nn.Module):
     return y, experts
 
 
-def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, moe):
+def _x8(x8) -> dict:
+  """moe's x8 argument where the norm made one (the model's own moe only: a stand-in is never given one)."""
+  return {} if x8 is None else {"x8": x8}
+
+
+def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, moe, x8=None):
   """The routed experts through the expert cache: all of a step's experts at once when they fit the pool
-  (bitwise the computation of the all-resident path), else token by token."""
+  (bitwise the computation of the all-resident path), else token by token (each rounding its own x8)."""
   T, X = ids_TX.shape
   S = experts.pools[experts.pool_of_block[block]].n_slots
   if T * X <= S:
     slots, experts = xc.ensure(experts, block, ids_TX.reshape(-1), gate, up, down, n_experts)
     g, u, d = xc.pool_tensors(experts, block, gate, up, down)
-    return moe(x_TD, slots.reshape(T, X), w_TX, g, u, d), experts
+    return moe(x_TD, slots.reshape(T, X), w_TX, g, u, d, **_x8(x8)), experts
 
   def tok(t, carry):
     y, ec = carry
@@ -294,6 +299,17 @@ def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, m
 
   y0 = jnp.zeros(x_TD.shape, jnp.float32)
   return jax.lax.fori_loop(0, T, tok, (y0, experts))
+
+
+def _moe_wants_x8(block: nn.Module, T: int) -> bool:
+  """Whether this block's routed experts read their input rounded to 8 bits (ops.moe.wants_x8): then the norm
+  before them makes the rounding. Only the model's own MoE on one device (a stand-in or expert parallelism
+  rounds for itself)."""
+  o = block.opts
+  if o.mesh is not None or (o.layer_ops is not None and o.layer_ops.moe is not None):
+    return False
+  gate = block.variables.get("params", {}).get("ffn", {}).get("gate_exps")
+  return moe_ops.wants_x8(T, gate, o.tunings)
 
 
 class Block(nn.Module):
@@ -320,10 +336,12 @@ class Block(nn.Module):
       cache, a = GatedDeltaNet(c, o, name="gdn")(h, cache, self.keep)
     else:
       cache, a = Attention(c, o, self.rope_offset, name="attn")(h, pos_T, cache, self.attn_block)
-    x, h = add_rms_norm(x_TD, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=a, impl=glue,
-                        tuning=nt)
-    if c.is_moe_layer(self.index):
-      y, experts = MoE(c, o, self.index, glue, name="ffn")(h, experts)
+    moe_layer = c.is_moe_layer(self.index)
+    x8 = moe_layer and glue != "ref" and _moe_wants_x8(self, x_TD.shape[0])
+    x, h, *h8 = add_rms_norm(x_TD, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=a, impl=glue,
+                             tuning=nt, x8=x8)
+    if moe_layer:
+      y, experts = MoE(c, o, self.index, glue, name="ffn")(h, experts, *h8)
     else:
       y = DenseMLP(c, o, name="ffn")(h)
     return cache, experts, x + y

@@ -1,7 +1,8 @@
 """Decode tiles with x in 8 bits and integer dots (llama.cpp's MMVQ form), for Q8_0, IQ3_S and Q4_K weights.
 
-x is rounded per 32 values to int8 with a float scale dx = max|x| / 127 (`quantize_x`), four values packed in an
-int32 word (byte m = value 4w + m). A tile makes each group of four weights one word of bytes and sums
+x is rounded per 32 values to int8 with a float scale dx = max|x| / 127 (`round32`: half away from zero), four
+values packed in an int32 word (byte m = value 4w + m): an `X8`, made by `quantize_x` in XLA or by the RMSNorm kernel
+that produces x (no launches of its own). A tile makes each group of four weights one word of bytes and sums
 `dot(w, xw, acc)` = acc + sum over the four byte products, an int32 per group, then one float multiply per 32
 values applies the scales:
 
@@ -20,6 +21,8 @@ A kernel takes them with its tile's `Tuning.x8` (ops/qmatmul_pallas; the MoE's g
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
@@ -36,31 +39,56 @@ WVIEW = {"Q8_0": (8,), "IQ3_S": (2, 4, 2, 4), "Q4_K": (4, 2, 8)}     # [w] / [a,
 SVIEW = {"Q8_0": (), "IQ3_S": (2, 4), "Q4_K": (4, 2)}                # one per block / [a, pp] / [i, h]
 
 
-def quantize_x(x_TK):
-  """x [T, K] float -> (words int32 [T, K/4], dx float32 [T, K/32], xsum float32 [T, K/32]): per 32 values
-  dx = max|x| / 127 (1 for a block of zeros), q = round(x / dx) in int8, xsum = dx * sum q."""
-  T, K = x_TK.shape
-  xb = x_TK.astype(F32).reshape(T, K // 32, 32)
-  dx = jnp.max(jnp.abs(xb), axis=2) / 127.0
+class X8(NamedTuple):
+  """x rounded to 8 bits per 32 values, flat: words int32 [T, K/4] (byte m of word w = value 4w + m), dx and
+  xsum float32 [T, K/32]. Made by `quantize_x` (XLA) or by the RMSNorm kernel beside its output
+  (ops.rmsnorm_pallas, `x8=True`), bitwise the same ops; a kernel views it per type with `x8_input`."""
+  words: jax.Array
+  dx: jax.Array
+  xsum: jax.Array
+
+
+def round32(xb):
+  """xb [..., 32] float32 -> (q int32 [..., 32] in [-127, 127], dx float32 [...]): dx = max|x| * (1 / 127) (1 for
+  a block of zeros), q = x / dx rounded half away from zero (C's roundf, as llama.cpp's q8_1). Only ops that Pallas'
+  Triton lowering takes (no round_p), so the norm kernel and XLA run the same ones."""
+  dx = jnp.max(jnp.abs(xb), axis=-1) * (1.0 / 127.0)
   dx = jnp.where(dx > 0, dx, 1.0)
-  q = jnp.clip(jnp.round(xb / dx[..., None]), -127, 127).astype(jnp.int8)
-  words = jax.lax.bitcast_convert_type(q.reshape(T, K // 4, 4), I32)   # little-endian: byte m = value 4w + m
-  return words, dx, dx * jnp.sum(q.astype(I32), axis=2).astype(F32)
+  v = xb / dx[..., None]
+  q = (v + jnp.where(v >= 0, 0.5, -0.5)).astype(I32)                  # truncates toward zero
+  return jnp.clip(q, -127, 127), dx
+
+
+def pack(q):
+  """q int32 [..., 32] (values in [-128, 127]) -> words int32 [..., 8]: byte m of word w = q[4w + m]."""
+  q4 = q.reshape(*q.shape[:-1], 8, 4)
+  return jnp.sum((q4 & 0xFF) << (8 * qp._iota(q4.shape, q4.ndim - 1).astype(I32)), axis=-1)
+
+
+def quantize_x(x_TK) -> X8:
+  """x [T, K] float -> X8 (round32 per 32 values, pack, xsum = dx * sum q)."""
+  T, K = x_TK.shape
+  q, dx = round32(x_TK.astype(F32).reshape(T, K // 32, 32))
+  return X8(pack(q).reshape(T, K // 4), dx, dx * jnp.sum(q, axis=-1).astype(F32))
 
 
 def rounded_x(x_TK):
-  """x as the tiles see it, float32 [T, K]: round(x / dx) * dx per 32 values (the reference's input)."""
+  """x as the tiles see it, float32 [T, K]: q * dx per 32 values (the reference's input)."""
   T, K = x_TK.shape
-  words, dx, _ = quantize_x(x_TK)
-  q = jax.lax.bitcast_convert_type(words, jnp.int8).reshape(T, K // 32, 32).astype(F32)
-  return (q * dx[..., None]).reshape(T, K)
+  q, dx = round32(x_TK.astype(F32).reshape(T, K // 32, 32))
+  return (q.astype(F32) * dx[..., None]).reshape(T, K)
 
 
-def x8_input(x_TK, qtype: str):
-  """The kernels' x operands: words [T, nb, *WVIEW], dx and xsum [T, nb, *SVIEW]."""
+def x8_input(x_TK, qtype: str, x8: X8 | None = None):
+  """The kernels' x operands: words [T, nb, *WVIEW], dx and xsum [T, nb, *SVIEW], of `x8` (x already rounded, by
+  the norm kernel) or of quantize_x(x)."""
   T, K = x_TK.shape
   nb = K // quant.GGML_TYPES[qtype][0]
-  words, dx, xs = quantize_x(x_TK)
+  if x8 is None:
+    x8 = quantize_x(x_TK)
+  elif x8.words.shape != (T, K // 4):
+    raise ValueError(f"dot8: x8 words {x8.words.shape}, expected {(T, K // 4)} for x {x_TK.shape}")
+  words, dx, xs = x8
   return words.reshape(T, nb, *WVIEW[qtype]), dx.reshape(T, nb, *SVIEW[qtype]), xs.reshape(T, nb, *SVIEW[qtype])
 
 

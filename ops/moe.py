@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ops import moe_grouped_pallas, moe_pallas
+from ops import moe_grouped_pallas, moe_pallas, qmatmul_pallas
 from ops.moe_layout import combine, grouped_tile_rows, tile_layout
 from ops.qtensor import QTensor, as_dense, weight_shape
 from ops.tuning import Tunings, pick
@@ -138,8 +138,15 @@ def moe_ref(x_TD, ids_TX, w_TX, gate, up, down, *, n_experts: int | None = None)
   return _moe_grouped(x_TD, ids_TX, w_TX, gate, up, down, gate.shape[0])
 
 
+def wants_x8(T: int, gate, tunings: Tunings | None = None) -> bool:
+  """Whether `moe` on T tokens reads its x rounded to 8 bits (the decode kernel's gate/up tile x8 for the gate's
+  type): then the norm before it makes that rounding in its own program and passes it as `moe(..., x8=)`."""
+  return (isinstance(gate, QTensor) and gate.kernel in ("pallas", "interpret") and 1 <= T <= qmatmul_pallas.MAX_B
+          and moe_pallas.gateup_x8(gate.qtype, pick(tunings, "moe", gate.qtype)) is not None)
+
+
 def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, precision: str = "auto",
-        n_experts: int | None = None, owned=None):
+        n_experts: int | None = None, owned=None, x8=None):
   """Dispatch on the experts' `kernel` field: "pallas" / "interpret" take the decode kernels (ops/moe_pallas)
   for T <= 16 tokens and the grouped tensor-core GEMM (ops/moe_grouped_pallas: row tiles of one expert) for more,
   when the types have kernels; everything else takes `moe_ref`. tunings (static): the kernels' pieces (`moe`,
@@ -147,13 +154,14 @@ def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, p
   the reference run float32); n_experts: as moe_ref's (the reference's path choice); owned (expert parallel,
   model.mesh): bool [T, X], False for a pair routed to an expert this device does not hold (its weight must be 0,
   its id any local one): the decode kernels skip it (no expert rows read), the other paths compute it with weight 0.
-  None: every pair is computed (the one-device path, unchanged)."""
+  None: every pair is computed (the one-device path, unchanged). x8: x rounded to 8 bits by the norm before
+  (wants_x8; an ops.dot8.X8), for the decode kernel's gate/up; the other paths read x."""
   if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kernel in ("pallas", "interpret"):
     interpret = gate.kernel == "interpret"
     if moe_pallas.supported(x_TD, ids_TX, gate, up, down):
       ids = ids_TX if owned is None else jnp.where(owned, ids_TX, -1)
       return moe_pallas.moe_pallas(x_TD, ids, w_TX, gate, up, down, interpret=interpret,
-                                   tuning=pick(tunings, "moe", gate.qtype), skip=owned is not None)
+                                   tuning=pick(tunings, "moe", gate.qtype), skip=owned is not None, x8=x8)
     if moe_grouped_pallas.supported(gate, up, down):
       return moe_grouped_pallas.moe_grouped_pallas(x_TD, ids_TX, w_TX, gate, up, down, interpret=interpret,
                                                    tuning=pick(tunings, "grouped", gate.qtype), precision=precision)

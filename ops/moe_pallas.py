@@ -159,13 +159,21 @@ def supported(x_TD, ids_TX, gate, up, down) -> bool:
           and len(gate.shape) == 3)
 
 
+def gateup_x8(qtype: str, tuning: Tuning | None = None):
+  """The gate/up tile's x8 (None: the float tiles) for `qtype` experts under `tuning`: whether the kernel reads x
+  rounded to 8 bits, so that the norm before it can make that (ops.moe.wants_x8)."""
+  if ("gateup", qtype) not in TUNING:
+    return None
+  return fill((tuning or Tuning()).gateup, TUNING["gateup", qtype]).x8
+
+
 def _cfg(kernel, qtype, rows, nb, tile):
   """One kernel's tile: TUNING[kernel, qtype] with the fields `tile` sets, clipped (qmatmul_pallas.config)."""
   return qp.config(qtype, rows, nb, fill(tile, TUNING[kernel, qtype]))
 
 
 @functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip"))
-def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, interpret, cg, cd, KS, skip):
+def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D, F, interpret, cg, cd, KS, skip):
   T, X = ids_TX.shape
   P = T * X
   ids = ids_TX.reshape(P).astype(I32)
@@ -178,7 +186,7 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
                              nb=nbD, unroll=cg.unroll, down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
                              natural_h=nat_d, skip=skip,
                              tile8=cg.x8 and functools.partial(dot8.TILES[gq], dot=dot8.dot_fn(cg.x8, interpret)))
-  xin = dot8.x8_input(x_TD, gq) if cg.x8 else (qp.x_input(x_TD.astype(F32), gq, nat_g),)
+  xin = dot8.x8_input(x_TD, gq, x8) if cg.x8 else (qp.x_input(x_TD.astype(F32), gq, nat_g),)
   parts = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg.BN), P, KS),
       out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
@@ -205,13 +213,15 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, *, gq, dq, D, F, 
 
 
 def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: bool = False,
-               tuning: Tuning | None = None, skip: bool = False):
+               tuning: Tuning | None = None, skip: bool = False, x8: dot8.X8 | None = None):
   """sum_k w[t, k] * down[e](silu(gate[e] x_t) * up[e] x_t), e = ids[t, k]; packed QTensor experts
   gate/up [E, F, D], down [E, D, F]; T <= 16. With `layer` (an int32 scalar, may be traced) the experts are
   stacked over layers, [L, E, F, D] / [L, E, D, F], and layer `layer` is used without slicing it out.
   tuning (static): the tiles' fields to set over TUNING, and the split ks. skip (static): a pair whose id is
   negative (an expert another device owns, under expert parallelism) is skipped: its programs read no expert rows
-  and its terms are 0. Off: the kernels are those without the branch."""
+  and its terms are 0. Off: the kernels are those without the branch. x8: x already rounded to 8 bits (by the norm
+  kernel that made it, ops.rmsnorm_pallas), read by a gate/up tile with x8 instead of rounding x here; the float
+  tiles ignore it."""
   g3, u3, d3 = (w if layer is None else w[0] for w in (gate, up, down))   # per-layer view, for the checks only
   if not supported(x_TD, ids_TX, g3, u3, d3) or len(gate.shape) != 3 + (layer is not None):
     raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} {gate.shape} with {ids_TX.shape[0]} "
@@ -225,6 +235,7 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
   dot8.check(t.gateup and t.gateup.x8, gate.qtype, "moe_pallas gateup")
   if t.down is not None and t.down.x8 is not None:
     raise ValueError(f"moe_pallas down: x8={t.down.x8!r}, expected None (h is read in float)")
-  return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes),
+  cg = _cfg("gateup", gate.qtype, F, nbD // ks, t.gateup)
+  return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes), cg.x8 and x8,
               gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip),
-              cg=_cfg("gateup", gate.qtype, F, nbD // ks, t.gateup), cd=_cfg("down", down.qtype, D, nbF, t.down))
+              cg=cg, cd=_cfg("down", down.qtype, D, nbF, t.down))

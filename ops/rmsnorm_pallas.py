@@ -8,8 +8,10 @@ last bits (2.4e-7; `scripts/gpu/batch_invariance.py`), enough to flip a 512-expe
 greedy token. Here every row is one program running the same code whatever T is, so its bits never depend on the
 batch. It also folds the residual add and the norm's two XLA kernels into one launch.
 
-`add_rms_norm(x, w, eps, res=None, impl=..., tuning=None)`: with `res`, s = x + res and returns (s, norm(s)); without, norm(x).
-Takes D a power of two (the kernel loads whole rows); other shapes run the reference.
+`add_rms_norm(x, w, eps, res=None, impl=..., tuning=None, x8=False)`: with `res`, s = x + res and returns (s, norm(s));
+without, norm(x); with x8 the norm rounded to 8 bits per 32 values comes last (ops.dot8.X8, for a consumer on 8-bit
+x: the MoE's gate/up), made in the same program instead of XLA's three launches. Takes D a power of two (the kernel
+loads whole rows); other shapes run the reference.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops import dot8
 from ops.layers import rms_norm
 from ops.tuning import fill
 
@@ -40,40 +43,59 @@ def supported(T: int, D: int) -> bool:
   return 1 <= T <= MAX_T and D > 0 and D & (D - 1) == 0
 
 
-def _kernel(x_ref, w_ref, *refs, eps: float, residual: bool):
-  if residual:
-    r_ref, s_ref, y_ref = refs
-  else:
-    (y_ref,) = refs
+def _kernel(x_ref, w_ref, *refs, eps: float, residual: bool, x8: bool):
+  refs = list(refs)
+  r_ref = refs.pop(0) if residual else None
+  s_ref = refs.pop(0) if residual else None
+  y_ref = refs.pop(0)
   t = pl.program_id(0)
   x = x_ref[t, :]
   if residual:
     x = x + r_ref[t, :]
     s_ref[t, :] = x
-  y_ref[t, :] = x * jax.lax.rsqrt(jnp.mean(x * x) + eps) * w_ref[...]     # as rms_norm
+  y = x * jax.lax.rsqrt(jnp.mean(x * x) + eps) * w_ref[...]     # as rms_norm
+  y_ref[t, :] = y
+  if x8:                                                         # y rounded to 8 bits (ops.dot8.quantize_x's ops)
+    words_ref, dx_ref, xsum_ref = refs
+    q, dx = dot8.round32(y.reshape(y.shape[0] // 32, 32))
+    words_ref[t, :, :] = dot8.pack(q)
+    dx_ref[t, :] = dx
+    xsum_ref[t, :] = dx * jnp.sum(q, axis=1).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "tuning"))
-def rms_norm_pallas(x_TD, w_D, eps: float, res_TD=None, *, interpret: bool = False, tuning: Tuning | None = None):
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "tuning", "x8"))
+def rms_norm_pallas(x_TD, w_D, eps: float, res_TD=None, *, interpret: bool = False, tuning: Tuning | None = None,
+                    x8: bool = False):
   T, D = x_TD.shape
   t = fill(tuning, TUNING)
   residual = res_TD is not None
   args = [x_TD.astype(jnp.float32), w_D.astype(jnp.float32)] + ([res_TD.astype(jnp.float32)] if residual else [])
   out = [jax.ShapeDtypeStruct((T, D), jnp.float32)] * (2 if residual else 1)
-  outs = pl.pallas_call(functools.partial(_kernel, eps=eps, residual=residual), out_shape=out, grid=(T,),
+  if x8:
+    out += [jax.ShapeDtypeStruct((T, D // 32, 8), jnp.int32)] + [jax.ShapeDtypeStruct((T, D // 32), jnp.float32)] * 2
+  outs = pl.pallas_call(functools.partial(_kernel, eps=eps, residual=residual, x8=x8), out_shape=out, grid=(T,),
                         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=1),
                         interpret=interpret, name="rms_norm")(*args)
-  return (outs[0], outs[1]) if residual else outs[0]
+  n = 2 if residual else 1
+  rounded = (dot8.X8(outs[n].reshape(T, D // 4), outs[n + 1], outs[n + 2]),) if x8 else ()
+  return (*outs[:n], *rounded) if residual or x8 else outs[0]
 
 
-def add_rms_norm(x_TD, w_D, eps: float, res_TD=None, *, impl: str = "ref", tuning: Tuning | None = None):
-  """norm(x) or, with res, (x + res, norm(x + res)); impl "pallas" | "interpret" runs the kernel where `supported`
-  (x 2-D, T <= MAX_T, D a power of two) with `tuning` (static), "ref" the jnp ops."""
+def add_rms_norm(x_TD, w_D, eps: float, res_TD=None, *, impl: str = "ref", tuning: Tuning | None = None,
+                 x8: bool = False):
+  """norm(x) or, with res, (x + res, norm(x + res)); with x8 the result also carries the norm rounded to 8 bits
+  (an ops.dot8.X8, last) for a consumer on 8-bit x. impl "pallas" | "interpret" runs the kernel where `supported`
+  (x 2-D, T <= MAX_T, D a power of two) with `tuning` (static), the rounding in the same program; "ref" the jnp ops
+  and dot8.quantize_x."""
   if impl not in IMPLS:
     raise ValueError(f"add_rms_norm: impl {impl!r}, expected one of {IMPLS}")
-  if impl != "ref" and x_TD.ndim == 2 and supported(*x_TD.shape):
-    return rms_norm_pallas(x_TD, w_D, eps, res_TD, interpret=impl == "interpret", tuning=tuning)
+  if impl != "ref" and x_TD.ndim == 2 and supported(*x_TD.shape) and (not x8 or x_TD.shape[1] >= 32):
+    return rms_norm_pallas(x_TD, w_D, eps, res_TD, interpret=impl == "interpret", tuning=tuning, x8=x8)
   if res_TD is None:
-    return rms_norm(x_TD, w_D, eps)
-  s = x_TD + res_TD
-  return s, rms_norm(s, w_D, eps)
+    out = (rms_norm(x_TD, w_D, eps),)
+  else:
+    s = x_TD + res_TD
+    out = (s, rms_norm(s, w_D, eps))
+  if x8:
+    out += (dot8.quantize_x(out[-1].reshape(-1, x_TD.shape[-1])),)
+  return out if len(out) > 1 else out[0]

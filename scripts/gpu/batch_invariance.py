@@ -57,6 +57,10 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
   from ops import rmsnorm_pallas, router_pallas
   report("rms_norm_pallas (+ residual)", lambda x: rmsnorm_pallas.rms_norm_pallas(x, jnp.ones((D,)), 1e-6, x * 0.5,
                                                                                   interpret=cpu)[1], x)
+  if a.x8:
+    for i, part in enumerate(("words", "dx", "xsum")):
+      report(f"rms_norm_pallas x8: {part}", lambda x, i=i: rmsnorm_pallas.rms_norm_pallas(
+          x, jnp.ones((D,)), 1e-6, x * 0.5, interpret=cpu, x8=True)[2][i], x)
   bias = jnp.asarray(rng.standard_normal(E) * 0.01, jnp.float32)
   rkw = dict(routing=cfg.routing, top_k=cfg.top_k, norm_topk=cfg.norm_topk, routed_scale=cfg.routed_scale)
   report("route_pallas: weights", lambda x: router_pallas.route_pallas(x, wr, bias, interpret=cpu, **rkw)[1], x)

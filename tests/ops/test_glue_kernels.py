@@ -42,6 +42,35 @@ def test_rms_norm_kernel(residual):
   assert not rmsnorm_pallas.supported(17, 256) and not rmsnorm_pallas.supported(4, 384)
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_kernel_rounds_its_output_to_8_bits(residual):
+  """x8: the kernel also returns its norm rounded to 8 bits per 32 values (ops.dot8.X8), bitwise numpy's rounding
+  of that norm (round half away from zero) and XLA's dot8.quantize_x; the norm itself is bitwise the kernel's
+  without x8; each row as computed alone."""
+  from ops import dot8
+  from tests.ops.test_kernels import _np_round32
+  T, D = 3, 128
+  x = jnp.asarray(RNG.standard_normal((T, D)) * 3, jnp.float32)
+  r = [jnp.asarray(RNG.standard_normal((T, D)), jnp.float32)] if residual else []
+  w = jnp.asarray(1 + 0.1 * RNG.standard_normal(D), jnp.float32)
+  f = jax.jit(lambda x, *r: rmsnorm_pallas.rms_norm_pallas(x, w, 1e-6, *r, interpret=True, x8=True))
+  *ys, x8 = f(x, *r)
+  plain = rmsnorm_pallas.rms_norm_pallas(x, w, 1e-6, *r, interpret=True)
+  for a, b in zip(ys, plain if residual else [plain]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  q, dx = _np_round32(np.asarray(ys[-1]))
+  np.testing.assert_array_equal(np.asarray(x8.words).view(np.int8).reshape(q.shape), q)
+  np.testing.assert_array_equal(np.asarray(x8.dx), dx)
+  for a, b in zip(x8, dot8.quantize_x(ys[-1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  alone = _rows_alone(lambda *a: f(*a)[-1], x, *r)
+  for i, row in enumerate(alone):
+    for a, b in zip(row, x8):
+      np.testing.assert_array_equal(a[0], np.asarray(b)[i])
+  with_ref = rmsnorm_pallas.add_rms_norm(x, w, 1e-6, *r, impl="ref", x8=True)   # the reference path rounds in XLA
+  np.testing.assert_array_equal(np.asarray(with_ref[-1].words), np.asarray(dot8.quantize_x(with_ref[-2]).words))
+
+
 @pytest.mark.parametrize("routing,E,K,norm,scale", [("softmax", 128, 8, True, 1.0), ("sigmoid", 64, 10, True, 2.5),
                                                     ("softmax", 8, 2, False, 1.0)])
 def test_route_kernel(routing, E, K, norm, scale):
@@ -127,6 +156,8 @@ def test_glue_kernels_lower(platform):
   w = jax.ShapeDtypeStruct((D,), jnp.float32)
   assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w, r: rmsnorm_pallas.rms_norm_pallas(x, w, 1e-6, r),
                                           x, w, x)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w, r: rmsnorm_pallas.rms_norm_pallas(x, w, 1e-6, r,
+                                                                                                    x8=True), x, w, x)
   wr = jax.ShapeDtypeStruct((E, D), jnp.float32)
   b = jax.ShapeDtypeStruct((E,), jnp.float32)
   txt = _lower(platform, lambda x, wr, b: router_pallas.route_pallas(x, wr, b, routing="sigmoid", top_k=10,

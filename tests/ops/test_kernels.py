@@ -242,21 +242,32 @@ def test_moe_skip_pairs_with_a_negative_id(gq, dq, ks):
   assert _relerr(y, moe_ops.moe_ref(x, at0, jnp.asarray(w), g, u, d)) < TOL_MOE
 
 
+def _np_round32(x):
+  """numpy's x8 rounding of x [T, K] float32: per 32 values dx = max|x| * (1 / 127) (1 for zeros), q = x / dx
+  rounded half away from zero (C's roundf): (q int8 [T, K/32, 32], dx [T, K/32])."""
+  xb = x.reshape(x.shape[0], -1, 32)
+  dx = np.abs(xb).max(axis=2) * np.float32(1 / 127)
+  dx[dx == 0] = 1
+  v = xb / dx[..., None]
+  return np.clip(np.trunc(v + np.copysign(np.float32(0.5), v)), -127, 127).astype(np.int8), dx
+
+
 def test_x8_rounding_is_numpys_and_within_half_a_step():
-  """dot8's rounding against numpy's (per 32 values dx = max|x| / 127, round half to even): the words hold the
-  rounded values in byte order, xsum is their sum times dx, each value is within dx / 2 of x; a block of zeros
-  stays zero."""
+  """dot8's rounding against numpy's (_np_round32), ties included (x / dx = k + 1/2 rounds away from zero): the
+  words hold the rounded values in byte order, xsum is their sum times dx, each value is within dx / 2 of x; a block
+  of zeros stays zero."""
   x = np.random.default_rng(23).standard_normal((2, 256)).astype(np.float32)
   x[1, 32:64] = 0.0
+  x[0, :32] = np.arange(-16, 16) * 0.25 + 0.125         # ties: dx = 0.25 (max 31.75), x / dx = k + 1/2
+  x[0, 31] = 31.75
   words, dx, xsum = (np.asarray(a) for a in dot8.quantize_x(jnp.asarray(x)))
-  xb = x.reshape(2, 8, 32)
-  want_dx = np.abs(xb).max(axis=2) / np.float32(127)
-  want_dx[want_dx == 0] = 1
-  np.testing.assert_allclose(dx, want_dx, rtol=2e-7)                    # XLA may multiply by 1 / 127
-  q = np.clip(np.round(xb / dx[..., None]), -127, 127).astype(np.int8)
+  q, want_dx = _np_round32(x)
+  np.testing.assert_array_equal(dx, want_dx)
   np.testing.assert_array_equal(words.view(np.int8).reshape(2, 8, 32), q)
   np.testing.assert_allclose(xsum, want_dx * q.astype(np.float32).sum(axis=2), rtol=1e-6)
+  assert dx[0, 0] == 0.25 and q[0, 0, 0] == -16 and q[0, 0, 18] == 3    # -15.5 -> -16, 2.5 -> 3 (half-even: 2)
   r = np.asarray(dot8.rounded_x(jnp.asarray(x))).reshape(2, 8, 32)
+  xb = x.reshape(2, 8, 32)
   assert np.all(np.abs(r - xb) <= dx[..., None] / 2 * (1 + 1e-6)) and not r[1, 1].any()
 
 
