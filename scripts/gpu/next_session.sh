@@ -9,13 +9,16 @@
 # "The seed's experiment at 128K"; the numbered parts below are earlier sessions' measurements, kept as the
 # commands their PERF sections cite). Run a ring's calls back to back: a warm machine keeps .jaxcache between calls
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
-#   dp4a      issue 27: Q8_0, IQ3_S and Q4_K tiles on 8-bit x with dp4a (ops/dot8) checked compiled and timed
+#   x8norm    issue 27: x8 with the rounding in the norm kernel, the step A/B for both expert types, its rows'
+#             invariance, a trace (~5 min). FIRST: it decides x8's default (PERF "Integer dots on 8-bit x on the GPU")
+#   dp4a      (ran 2026-12-04 evening) issue 27: Q8_0, IQ3_S and Q4_K tiles on 8-bit x with dp4a (ops/dot8) checked compiled and timed
 #             against the float tiles (scripts/gpu/dp4a_probe.py), then the 30B step with them in the experts'
 #             gate/up (--glue on/x8=dp4a) and the projections too (px8), interleaved; their rows' batch invariance;
 #             ~9 min. First: it decides the next kernel work
-#   x8trace   the 30B step traced with and without x8, per kernel, both expert types (issue 27 item 3); ~7 min
-#   seed128c  issue 26 item 4 at 128K: ring 49,152 seed 1 (BS, BR, BN); ~9 min cold
-#   seed128d  the same ring's seed 2, right after seed128c (~6 min warm)
+#   x8trace   (ran 2026-12-04 evening) the 30B step traced with and without x8, per kernel, both expert types (issue 27 item 3); ~7 min
+#   seed128c  issue 26 item 4 at 128K: ring 49,152 seed 1 (BS, BR, BN); its compiling runs do not fit one cold call
+#             (2026-12-04: nothing came back): run it warm, right after seed32b (same ring) or a second time
+#   seed128d  (ran 2026-12-04 evening: seed 2 of BS, BR, BN)
 #   seed128b  ring 32,768 seed 2 of AR and AN (AS has its three seeds); ~9 min cold
 #   seed32b   the 32K cell's seed 2 on the 49,152 ring (BS, BR, BN); ~7 min cold (compile ~330 s)
 #   probes    which programs of a seed4 request take its compiling run's time, at seed-mtp widths
@@ -55,6 +58,16 @@ dp4a)  # issue 27: ops/dot8's tiles as a matvec against the shipped kernel, then
   done
   timeout ${TI:-120} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 2 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8-invariance.txt | grep -E "x8|DIFF" ;;
+x8norm)  # issue 27: x8 with the rounding in the RMSNorm kernel (commit 31c9947) against the float tiles, both expert
+  # types, interleaved; the norm's x8 rows' batch invariance; one traced run per variant with IQ3_S experts (the
+  # launches a step: 644 float, 740 with XLA's rounding at a8c03c3, 596 expected now)
+  for x in IQ3_S Q4_K; do
+    timeout ${TS:-120} $S30 --experts $x --glue on,on/x8=dp4a --interleave --repeats 5 \
+      --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/x8norm-step.log | tail -4
+  done
+  timeout ${TI:-100} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 1 --proj_types Q8_0 \
+    --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8norm-invariance.txt | grep -E "x8|DIFF"
+  GX=on/x8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
 x8trace)  # issue 27 item 3: where a 30B step's time goes with and without the x8 tiles, IQ3_S then Q4_K experts (1K):
   # one traced run of 32 steps per variant, summarised per kernel (launches, kernel time against the device span);
   # PART=dp4a's step A/B: x8 won 5 % with IQ3_S experts and lost 4 % with Q4_K, px8 moved nothing
