@@ -64,6 +64,8 @@ flags.DEFINE_list("expert_cache", ["all"], "expert caches: all | auto | N slots 
 flags.DEFINE_string("device_budget", None, "device memory budget of the plan (e.g. 24GiB; default: the device's)")
 flags.DEFINE_enum("expert_policy", "lru", ["lru", "lfu"], "expert-cache eviction policy")
 flags.DEFINE_enum("kernels", "xla", ["xla", "pallas"], "quantized kernels")
+flags.DEFINE_string("glue", "on", "the glue kernels and tuning overrides of every cell, as bench.step's --glue (one "
+                    "value: bench.glue.glue_options), e.g. on/x8=dp4a")
 flags.DEFINE_string("attn_kernel", None, "decode attention kernel tuning dots[:bk:warps:stages] "
                     "(ops.attention_pallas.parse_spec; e.g. bf16x2:128:8:3); unset: the kernel's table")
 flags.register_validator("attn_kernel", lambda v: v is None or is_spec(v),
@@ -209,13 +211,17 @@ def mesh():
 
 
 def model_options():
-  """The model Options of every cell: the flags' prefill precision, attention kernel tuning and mesh."""
+  """The model Options of every cell: the flags' glue kernels and tunings, prefill precision, attention kernel
+  tuning and mesh."""
+  from bench.glue import glue_options
   from model.options import Options
   from ops.attention_pallas import parse_spec
   from ops.tuning import Tunings
-  tunings = Tunings(attention=parse_spec(FLAGS.attn_kernel)) if FLAGS.attn_kernel else None
-  return Options(prefill_precision=FLAGS.prefill_precision, tunings=tunings,
-                 mesh=mesh())
+  on, tunings = glue_options(FLAGS.glue)
+  if FLAGS.attn_kernel:
+    tunings = tunings.replace(attention=parse_spec(FLAGS.attn_kernel))
+  return Options(glue=on, prefill_precision=FLAGS.prefill_precision,
+                 tunings=None if tunings == Tunings() else tunings, mesh=mesh())
 
 
 def run_cell(model, arm: Arm, seed: int, max_new: int, prefill_cache=None, buffer: int | None = None) -> dict:
@@ -557,6 +563,8 @@ def main(argv):
     return
   from tqdm import tqdm
 
+  from bench.glue import glue_options
+  glue_options(FLAGS.glue)                        # a malformed --glue: one line before any model is built
   from configs.default import default_model_path
   from model.loader import load_model
   from ops.qtensor import with_kernels
@@ -637,7 +645,7 @@ def main(argv):
                "mtp_draft": FLAGS.mtp_draft, "mtp_window": FLAGS.mtp_window, "kernels": FLAGS.kernels,
                "prefill_chunk": FLAGS.prefill_chunk,
                "reuse_prefill": FLAGS.reuse_prefill, "compile_jobs": FLAGS.compile_jobs,
-               "attn_kernel": FLAGS.attn_kernel or table_dots,
+               "attn_kernel": FLAGS.attn_kernel or table_dots, "glue": FLAGS.glue,
                "prefill_gemm": qgemm_pallas.prefill_gemm(FLAGS.kernels, FLAGS.prefill_precision),
                "model": path, "arch": model.cfg.arch, "mesh": FLAGS.mesh}, "seed": seed, "commit": commit,
                "device": device,

@@ -22,6 +22,7 @@ import time
 
 from absl import app, flags, logging
 
+from bench.glue import glue_options
 from decode import cli
 from ops.attention_pallas import DOTS, is_spec
 
@@ -49,82 +50,13 @@ flags.DEFINE_bool("fuse_qkv", True, "one q/k/v matmul per layer (model.api.fuse_
                   "--nofuse_qkv runs three")
 flags.DEFINE_list("glue", ["on"], "on: the per-token Pallas glue kernels (RMSNorm + residual, routing, q/k norm + "
                   "RoPE + ring write; Options.glue, with --kernels pallas); off: the XLA ops; on may carry tuning "
-                  "overrides (see glue_options), e.g. on/rope=1/router=64:2048:8:1/xnat=0; a list runs every "
+                  "overrides (see bench.glue.glue_options), e.g. on/rope=1/router=64:2048:8:1/xnat=0; a list runs every "
                   "variant cell by cell in one process (the A/B)")
 flags.DEFINE_bool("interleave", False, "build and compile every cell first, then run the timed repeats in turns "
                   "(cell 1, 2, .., 1, 2, ..): an A/B free of the cells' order (the first cell of a call ran slower "
                   "before; PERF 'The host tier read in spans'). Every cell's state is held at once; no --profile")
 flags.DEFINE_string("profile", None, "folder: trace one extra run of each cell with jax.profiler (a perfetto "
                     "trace.json.gz per cell, readable with plain Python: per-kernel GPU time of a step)")
-
-GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0, "
-              "qmm=P, x8=dp4a|int, px8=dp4a|int, tier=N, span=N (powers of two)")
-
-
-def glue_options(spec: str):
-  """(glue on, the Tunings of its overrides) for one --glue value; a malformed value is a one-line usage error.
-  Overrides, "/"-separated after "on":
-    rope=N             ops.rope_write_pallas.Tuning(q_programs=N) (q programs per token)
-    router=P:DC:W:RW   ops.router_pallas.Tuning (logits programs, D chunk, warps; top-k warps)
-    xnat=T:B+T:B | 0   the quantized kernels' x layout per type (ops.qmatmul_pallas.Tuning.natural_b for the
-                       projections and both MoE kernels: natural order up to B tokens; types not named and 0:
-                       the permuted view)
-    qmm=P              the projections' ops.qmatmul_pallas.Tuning(programs=P) (BN halves to reach P programs)
-    x8=dp4a | int      the routed experts' gate/up on 8-bit x with integer dots (its tile's
-                       ops.qmatmul_pallas.Tuning.x8, for the types of ops.dot8.TILES; the others keep the float tiles)
-    px8=dp4a | int     the same for the projections
-    tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)
-    span=N             positions per span of it, the pieces a row sees whole (ops.tuning.Tunings.tier_span)
-
-  >>> glue_options("on/rope=1")[1].rope_write
-  Tuning(q_programs=1, num_warps=None)
-  """
-  from ops import dot8, moe_pallas, qmatmul_pallas, rope_write_pallas, router_pallas
-  from ops.tuning import ByType, Tunings
-  base, *parts = spec.split("/")
-  if base not in ("on", "off") or (base == "off" and parts):
-    raise app.UsageError(f"--glue {spec!r}: {GLUE_USAGE}")
-  kw = {}
-  proj, gate, down = ({t: {} for t in qmatmul_pallas.KERNEL_TYPES} for _ in range(3))    # tile fields per type
-  for part in parts:
-    key, _, val = part.partition("=")
-    try:
-      if key == "rope":
-        kw["rope_write"] = rope_write_pallas.Tuning(q_programs=int(val))
-      elif key == "router":
-        p, dc, w, rw = (int(a) for a in val.split(":"))
-        kw["router"] = router_pallas.Tuning(programs=p, dc=dc, warps=w, route_warps=rw)
-      elif key == "xnat":
-        named = {} if val == "0" else {t: int(b) for t, b in (v.split(":") for v in val.split("+"))}
-        if not set(named) <= set(qmatmul_pallas.KERNEL_TYPES):
-          raise ValueError(val)
-        for t in qmatmul_pallas.KERNEL_TYPES:
-          proj[t]["natural_b"] = gate[t]["natural_b"] = down[t]["natural_b"] = named.get(t, 0)
-      elif key in ("x8", "px8"):
-        if val not in dot8.DOTS:
-          raise ValueError(val)
-        for t in dot8.TILES:
-          (gate if key == "x8" else proj)[t]["x8"] = val
-      elif key == "qmm":
-        if int(val) < 0:
-          raise ValueError(val)
-        for t in qmatmul_pallas.KERNEL_TYPES:
-          proj[t]["programs"] = int(val)
-      elif key in ("tier", "span"):
-        name = {"tier": "tier_block", "span": "tier_span"}[key]
-        kw[name] = int(val)
-        Tunings(**{name: kw[name]})                        # a power of two, else ValueError
-      else:
-        raise ValueError(key)
-    except ValueError:
-      raise app.UsageError(f"--glue {spec!r}: override {part!r}, {GLUE_USAGE}") from None
-  if any(proj.values()):
-    kw["qmatmul"] = ByType(**{t: qmatmul_pallas.Tuning(**f) for t, f in proj.items()})
-  if any(gate.values()) or any(down.values()):
-    tile = lambda f: qmatmul_pallas.Tuning(**f) if f else None
-    kw["moe"] = ByType(**{t: moe_pallas.Tuning(gateup=tile(gate[t]), down=tile(down[t])) for t in gate})
-  return base == "on", Tunings(**kw)
-
 
 def cell_options(glue: str, attn: str, attn_kernel: str | None = None):
   """The model Options of one cell: its --glue value and its attention ("auto": the dispatcher's default, "ref" |

@@ -21,6 +21,7 @@ def test_bench_cells_table_and_records(tmp_path):
   for x in recs:
     st = x["stats"]
     assert st["generated_tokens"] == 12 and st["decode_tok_s"] > 0 and st["plan"]["items"]
+    assert x["config"]["glue"] == "on"               # --glue's default, recorded
     cached = x["arm"].endswith("-X6")
     assert st["expert_slots"] == (6 if cached else None)
     if cached:   # 6 slots for 16 experts per block: some misses, counted per block
@@ -343,7 +344,7 @@ def test_bench_step_cells_pass_their_choices_as_options():
   code = """
 import jax, jax.numpy as jnp, numpy as np
 from absl import app
-from bench import step
+from bench import glue, step
 from configs.presets import preset
 from model import api
 from model.api import fuse_qkv
@@ -351,20 +352,20 @@ from model.kv_ring import KVRing
 from model.writer import quant_policy, random_params
 from ops import attention_pallas, qmatmul_pallas
 from ops.qtensor import with_kernels
-on, t = step.glue_options("on/rope=1/router=64:2048:8:1/xnat=Q4_K:4")
+on, t = glue.glue_options("on/rope=1/router=64:2048:8:1/xnat=Q4_K:4")
 assert on and t.rope_write.q_programs == 1 and t.router.programs == 64 and t.router.route_warps == 1
 assert t.pick("qmatmul", "Q4_K").natural_b == 4 and t.pick("qmatmul", "Q8_0").natural_b == 0
 assert t.pick("moe", "Q4_K").down.natural_b == 4 and t.pick("moe", "IQ3_S").gateup.natural_b == 0
-t = step.glue_options("on/xnat=Q4_K:4/qmm=256")[1]
+t = glue.glue_options("on/xnat=Q4_K:4/qmm=256")[1]
 assert t.pick("qmatmul", "Q8_0").programs == 256 and t.pick("qmatmul", "Q4_K").natural_b == 4
-t = step.glue_options("on/xnat=Q4_K:4/x8=dp4a")[1]
+t = glue.glue_options("on/xnat=Q4_K:4/x8=dp4a")[1]
 assert t.pick("moe", "Q4_K").gateup.x8 == "dp4a" and t.pick("moe", "Q4_K").gateup.natural_b == 4
 assert t.pick("moe", "Q4_K").down == qmatmul_pallas.Tuning(natural_b=4) and t.pick("qmatmul", "Q8_0").x8 is None
 assert t.pick("moe", "IQ3_S").gateup.x8 == "dp4a" and t.pick("moe", "Q6_K").gateup.x8 is None
-t = step.glue_options("on/px8=int")[1]
+t = glue.glue_options("on/px8=int")[1]
 assert t.pick("qmatmul", "Q8_0").x8 == "int" and t.pick("qmatmul", "Q6_K").x8 is None and t.moe is None
-assert step.glue_options("on/tier=16384")[1].tier_block == 16384 and step.glue_options("on")[1].tier_block is None
-assert step.glue_options("on/tier=4096/span=4096")[1].tier_span == 4096
+assert glue.glue_options("on/tier=16384")[1].tier_block == 16384 and glue.glue_options("on")[1].tier_block is None
+assert glue.glue_options("on/tier=4096/span=4096")[1].tier_span == 4096
 o = step.cell_options("on", "bf16x2/16/4/1")
 assert o.tunings.attention_impl == "pallas"
 assert o.tunings.attention == attention_pallas.Tuning(bk=16, num_warps=4, num_stages=1, dots="bf16x2")
@@ -373,7 +374,7 @@ assert step.cell_options("off", "ref").glue is False and hash(o) == hash(step.ce
 for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on/xnat=Q9_9:4", "on/qmm=-1",
             "on/tier=3000", "on/tier=0", "on/span=100", "on/x8=ptx"):
   try:
-    step.glue_options(bad); raise SystemExit(bad + " accepted")
+    glue.glue_options(bad); raise SystemExit(bad + " accepted")
   except app.UsageError as e:
     assert "expected on, off" in str(e), e
 cfg = preset("tiny-qwen3moe")

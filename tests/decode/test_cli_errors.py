@@ -213,6 +213,7 @@ def test_a_bug_keeps_its_traceback_and_an_expected_failure_is_one_line():
     (["-m", "bench.cells", "--arms", "bogus"], "error: --arms 'bogus': known sets are seed4, seed4k (or give "
      "--rings/--drafts/--kv/--depths)"),
     (["-m", "bench.step", "--glue", "bogus", "--preset", "tiny-qwen3moe"], "error: --glue 'bogus': "),
+    (["-m", "bench.cells", "--glue", "on/x8=ptx"], "error: --glue 'on/x8=ptx': override 'x8=ptx', expected on, off"),
     (["-m", "bench.attention", "--variants", "nope"], "error: --variants: 'nope', expected dots:bk:warps:stages"),
     (["-m", "bench.kernels", "--sweep", "notjson", "--interpret"], "error: --sweep: Expecting value: "),
 ])
