@@ -11,6 +11,9 @@
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
 #   x8norm    issue 27: x8 with the rounding in the norm kernel, the step A/B for both expert types, its rows'
 #             invariance, a trace (~5 min). FIRST: it decides x8's default (PERF "Integer dots on 8-bit x on the GPU")
+#   x8anchor  issue 27: llama.cpp and ours with and without x8 on one 30B file at 1K, same call (~6 min; carry .whl
+#             and .anchor: `mkdir -p .anchor && cp ../shared/anchor/{llama_cpp_cuda_sm90.tar.xz,llama_bench.py} .anchor/`)
+#   x8replay  issues 26 item 5 / 27 item 5: replay k = 3 and plain at 1K on seed-mtp, with and without x8 (~6 min)
 #   dp4a      (ran 2026-12-04 evening) issue 27: Q8_0, IQ3_S and Q4_K tiles on 8-bit x with dp4a (ops/dot8) checked compiled and timed
 #             against the float tiles (scripts/gpu/dp4a_probe.py), then the 30B step with them in the experts'
 #             gate/up (--glue on/x8=dp4a) and the projections too (px8), interleaved; their rows' batch invariance;
@@ -68,6 +71,16 @@ x8norm)  # issue 27: x8 with the rounding in the RMSNorm kernel (commit 31c9947)
   timeout ${TI:-100} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 1 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8norm-invariance.txt | grep -E "x8|DIFF"
   GX=on/x8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
+x8anchor)  # issue 27 items 1-2 with x8: llama.cpp (../shared/anchor's tarball and llama_bench.py copied into .anchor/,
+  # carried) and ours with and without x8 on one 30B file at 1K (EXPERTS=Q4_K for the other expert type); ~6 min
+  PRESET=qwen3moe-30b-a3b EXPERTS=${EXPERTS:-IQ3_S} GLUES="on on/x8=dp4a" PART=short1k TO=${TO:-150} \
+    bash scripts/gpu/hybrid_anchor.sh ;;
+x8replay)  # issue 26 item 5 (replay k = 3 >= 1.8x plain at 1K on seed-mtp) and issue 27 item 5 (the verify pass's
+  # cost) with and without x8, everything resident; ~6 min
+  for g in on on/x8=dp4a; do
+    timeout ${TR:-270} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3 \
+      --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 2 --glue $g --cells $OUT/x8replay.jsonl 2>&1 | filt | tail -6
+  done ;;
 x8trace)  # issue 27 item 3: where a 30B step's time goes with and without the x8 tiles, IQ3_S then Q4_K experts (1K):
   # one traced run of 32 steps per variant, summarised per kernel (launches, kernel time against the device span);
   # PART=dp4a's step A/B: x8 won 5 % with IQ3_S experts and lost 4 % with Q4_K, px8 moved nothing
