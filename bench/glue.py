@@ -5,7 +5,7 @@ from __future__ import annotations
 from absl import app
 
 GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0, "
-              "qmm=P, x8=dp4a|int, px8=dp4a|int, tier=N, span=N (powers of two)")
+              "qmm=P, x8=dp4a|int, px8=dp4a|int, dx8=dp4a|int, tier=N, span=N (powers of two)")
 
 
 def glue_options(spec: str):
@@ -20,6 +20,8 @@ def glue_options(spec: str):
     x8=dp4a | int      the routed experts' gate/up on 8-bit x with integer dots (its tile's
                        ops.qmatmul_pallas.Tuning.x8, for the types of ops.dot8.TILES; the others keep the float tiles)
     px8=dp4a | int     the same for the projections
+    dx8=dp4a | int     the routed experts' down on h rounded to 8 bits (gate/up's epilogue rounds it; sets the
+                       gate/up tile's BN to 32 and programs to 0); the down type must be one of ops.dot8.TILES
     tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)
     span=N             positions per span of it, the pieces a row sees whole (ops.tuning.Tunings.tier_span)
 
@@ -52,6 +54,12 @@ def glue_options(spec: str):
           raise ValueError(val)
         for t in dot8.TILES:
           (gate if key == "x8" else proj)[t]["x8"] = val
+      elif key == "dx8":
+        if val not in dot8.DOTS:
+          raise ValueError(val)
+        for t in qmatmul_pallas.KERNEL_TYPES:    # by the gate/up type; down's own type must have 8-bit tiles
+          down[t]["x8"] = val
+          gate[t].update(BN=32, programs=0)      # gate/up rounds h in whole 32-value blocks
       elif key == "qmm":
         if int(val) < 0:
           raise ValueError(val)

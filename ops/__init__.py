@@ -1,6 +1,6 @@
 """ops/: kernels beside their jnp references: quant formats and repacked planes, quantized matmul and MoE for
 decode (Pallas Triton FMA kernels, with a stacked-layer entry; `dot8`: tiles on 8-bit x with integer dots, an A/B
-of the routed experts' gate/up) and for prefill (tensor-core GEMMs over
+of the routed experts' gate/up, whose x the RMSNorm kernel before them rounds) and for prefill (tensor-core GEMMs over
 dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), attention over the KV ring (decode: `attention_pallas`;
 prefill: `prefill_attention_pallas`, the GPU default since it was measured), RoPE, RMSNorm, the per-token glue
 kernels of decode and verify passes (`rmsnorm_pallas`, `router_pallas`, `rope_write_pallas`: batch-invariant

@@ -79,17 +79,21 @@ def rounded_x(x_TK):
   return (q.astype(F32) * dx[..., None]).reshape(T, K)
 
 
+def x8_view(x8: X8, qtype: str):
+  """The kernels' x operands of a rounded x: words [T, nb, *WVIEW], dx and xsum [T, nb, *SVIEW] (free reshapes)."""
+  T, nb = x8.dx.shape[0], x8.dx.shape[1] * 32 // quant.GGML_TYPES[qtype][0]
+  words, dx, xs = x8
+  return words.reshape(T, nb, *WVIEW[qtype]), dx.reshape(T, nb, *SVIEW[qtype]), xs.reshape(T, nb, *SVIEW[qtype])
+
+
 def x8_input(x_TK, qtype: str, x8: X8 | None = None):
-  """The kernels' x operands: words [T, nb, *WVIEW], dx and xsum [T, nb, *SVIEW], of `x8` (x already rounded, by
-  the norm kernel) or of quantize_x(x)."""
+  """x8_view of `x8` (x already rounded, by the norm kernel) or of quantize_x(x)."""
   T, K = x_TK.shape
-  nb = K // quant.GGML_TYPES[qtype][0]
   if x8 is None:
     x8 = quantize_x(x_TK)
   elif x8.words.shape != (T, K // 4):
     raise ValueError(f"dot8: x8 words {x8.words.shape}, expected {(T, K // 4)} for x {x_TK.shape}")
-  words, dx, xs = x8
-  return words.reshape(T, nb, *WVIEW[qtype]), dx.reshape(T, nb, *SVIEW[qtype]), xs.reshape(T, nb, *SVIEW[qtype])
+  return x8_view(x8, qtype)
 
 
 def int_dot(a, b, c):

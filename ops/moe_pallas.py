@@ -11,7 +11,9 @@ For T <= 16 tokens with top-X routing, P = T*X (token, expert) pairs, p = t*X + 
      XLA adds in a fixed order before SiLU(g) * u (more programs in flight at B = 1, where the grid is only
      F / BN x X programs).
      Optionally (gate/up's tile x8) the program reads x rounded to 8 bits per 32 values and sums with integer
-     dots (ops/dot8's tiles): XLA rounds x once per call; h and down stay float.
+     dots (ops/dot8's tiles): x comes rounded from the norm kernel before (`x8`) or XLA rounds it once per call.
+     With down's tile x8 the program rounds its h rows (whole 32-value blocks: BN a multiple of 32) and writes
+     them as dot8.X8 words, scales and sums instead of floats.
   2. down: grid (D / BN, P). Program (i, p) reads rows [i*BN, i*BN + BN) of down[e] over F and writes
      y[p, rows] = w[p] * (down[e] . h[p]). The X partial rows of a token are summed afterwards in a fixed order
      (a [T, X, D] -> [T, D] reduction XLA fuses), so the result is deterministic and every program is short:
@@ -45,7 +47,8 @@ class Tuning(NamedTuple):
   """The gate/up and down kernels' tiles (qmatmul_pallas.Tuning; fields left None take `TUNING[kernel, qtype]`)
   and ks, a split of gate/up's D blocks over KS programs (a power of two dividing them; None or 1: off): at B = 1
   it multiplies the programs in flight by KS, and XLA adds the KS partial sums. gateup.x8 runs gate/up on 8-bit x
-  (ops/dot8); down reads h in float (its x8 must stay None)."""
+  (ops/dot8); down.x8 runs down on h rounded to 8 bits, which gate/up's epilogue writes (its BN a multiple of 32:
+  whole blocks of h per program; with KS > 1 XLA rounds h)."""
   gateup: qp.Tuning | None = None
   down: qp.Tuning | None = None
   ks: int | None = None
@@ -66,7 +69,7 @@ def _lead(lid_ref, e):
 
 
 def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_qtype, stacked, KS, natural,
-                   natural_h, skip, tile8):
+                   natural_h, skip, tile8, h8):
   if tile8:
     xw_ref, dx_ref, xs_ref, tab_ref, *refs = refs
   else:
@@ -74,6 +77,8 @@ def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_q
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   if KS > 1:
     *w_refs, g_ref, u_ref = refs
+  elif h8:
+    *w_refs, hw_ref, hdx_ref, hxs_ref = refs
   else:
     *w_refs, h_ref = refs
   n = len(names)
@@ -108,6 +113,13 @@ def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_q
       u_ref[kid if skip else pl.program_id(2), p, rows] = u
       return
     h = g / (1.0 + jnp.exp(-g)) * u
+    if h8:                            # h rounded to 8 bits for down's x8 tile: BN / 32 whole blocks of 32
+      q, dx = dot8.round32(h.reshape(BN // 32, 32))
+      i = pl.program_id(0)
+      hw_ref[p, pl.ds(i * (BN // 4), BN // 4)] = dot8.pack(q).reshape(BN // 4)
+      hdx_ref[p, pl.ds(i * (BN // 32), BN // 32)] = dx
+      hxs_ref[p, pl.ds(i * (BN // 32), BN // 32)] = dx * jnp.sum(q, axis=1).astype(F32)
+      return
     h_ref[p, rows if natural_h else qp.x_view_index(down_qtype, rows)] = h
 
   if not skip:
@@ -123,9 +135,13 @@ def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_q
     write(zero, zero)
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural, skip):
+def _down_kernel(ids_ref, w_ref, *refs, qtype, names, D, BN, S, nb, unroll, stacked, natural, skip, tile8):
   """Program (i, p): w[p] * (down[ids[p]] . h[p]) over rows [i*BN, i*BN + BN); 0 for a skipped pair (ids[p] < 0,
-  with `skip`)."""
+  with `skip`). With tile8, h comes rounded to 8 bits (words, dx, xsum) and the tile is dot8's."""
+  if tile8:
+    hw_ref, hdx_ref, hxs_ref, tab_ref, *refs = refs
+  else:
+    h_ref, tab_ref, *refs = refs
   lid_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
   *w_refs, o_ref = refs
   W = dict(zip(names, w_refs))
@@ -135,6 +151,10 @@ def _down_kernel(ids_ref, w_ref, h_ref, tab_ref, *refs, qtype, names, D, BN, S, 
   pre = _lead(lid_ref, jnp.maximum(e, 0) if skip else e)
 
   def tile_sums(b0, s):
+    if tile8:
+      at = lambda ref: (lambda *idx: ref[(p, pl.ds(b0, s), *idx)])
+      return (tile8(lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)],
+                    [(at(hw_ref), at(hdx_ref), at(hxs_ref))], tab_ref)[0],)
     xs = [lambda *idx: h_ref[(p, pl.ds(b0, s), *qp.x_index(qtype, natural, idx))]]
     y = qp.TILES[qtype](lambda name, *idx: W[name][(*pre, rows, pl.ds(b0, s), *idx)], xs, tab_ref)[0]
     return (qp.row_sums(y),)
@@ -184,27 +204,40 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
   nat_g, nat_d = qp.x_natural(cg, 1), qp.x_natural(cd, 1)     # one token (or pair) per program in both kernels
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, X=X, F=F, BN=cg.BN, S=cg.S,
                              nb=nbD, unroll=cg.unroll, down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
-                             natural_h=nat_d, skip=skip,
+                             natural_h=nat_d, skip=skip, h8=bool(cd.x8) and KS == 1,
                              tile8=cg.x8 and functools.partial(dot8.TILES[gq], dot=dot8.dot_fn(cg.x8, interpret)))
   xin = dot8.x8_input(x_TD, gq, x8) if cg.x8 else (qp.x_input(x_TD.astype(F32), gq, nat_g),)
+  if KS > 1:
+    out_shape = (jax.ShapeDtypeStruct((KS, P, F), F32),) * 2
+  elif cd.x8:                                    # h rounded in gate/up's epilogue (dot8.X8, flat)
+    out_shape = (jax.ShapeDtypeStruct((P, F // 4), I32),) + (jax.ShapeDtypeStruct((P, F // 32), F32),) * 2
+  else:
+    out_shape = jax.ShapeDtypeStruct((P, F), F32)
   parts = pl.pallas_call(
-      gateup, grid=(pl.cdiv(F, cg.BN), P, KS),
-      out_shape=(jax.ShapeDtypeStruct((KS, P, F), F32),) * 2 if KS > 1 else jax.ShapeDtypeStruct((P, F), F32),
+      gateup, grid=(pl.cdiv(F, cg.BN), P, KS), out_shape=out_shape,
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
   )(ids, *xin, qp.table(gq), *lid, *gplanes, *uplanes)
-  if KS > 1:
-    g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
-    h = qp.x_input(g / (1.0 + jnp.exp(-g)) * u, dq, nat_d)
+  if cd.x8:
+    if KS > 1:                                   # h made by XLA: rounded there
+      g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
+      hin = dot8.x8_input(g / (1.0 + jnp.exp(-g)) * u, dq)
+    else:
+      hin = dot8.x8_view(dot8.X8(*parts), dq)
   else:
-    h = parts
-  view = qp.XVIEW[dq] if nat_d else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
-  h = h.reshape(P, nbF, *view)                                             # the x layout of dq
+    if KS > 1:
+      g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
+      h = qp.x_input(g / (1.0 + jnp.exp(-g)) * u, dq, nat_d)
+    else:
+      h = parts
+    view = qp.XVIEW[dq] if nat_d else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
+    hin = (h.reshape(P, nbF, *view),)                                      # the x layout of dq
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd.BN, S=cd.S, nb=nbF,
-                           unroll=cd.unroll, stacked=stacked, natural=nat_d, skip=skip)
+                           unroll=cd.unroll, stacked=stacked, natural=nat_d, skip=skip,
+                           tile8=cd.x8 and functools.partial(dot8.TILES[dq], dot=dot8.dot_fn(cd.x8, interpret)))
   y = pl.pallas_call(
       down, out_shape=jax.ShapeDtypeStruct((P, D), F32), grid=(pl.cdiv(D, cd.BN), P),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",
-  )(ids, w_TX.reshape(P).astype(F32), h, qp.table(dq), *lid, *dplanes)
+  )(ids, w_TX.reshape(P).astype(F32), *hin, qp.table(dq), *lid, *dplanes)
   y = y.reshape(T, X, D)
   out = y[:, 0]
   for k in range(1, X):                      # fixed order: out = ((y0 + y1) + y2) + ...
@@ -233,9 +266,12 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
   if ks < 1 or nbD % ks or ks & (ks - 1):
     raise ValueError(f"moe_pallas gateup: ks={ks} must be a power of two dividing {nbD} blocks")
   dot8.check(t.gateup and t.gateup.x8, gate.qtype, "moe_pallas gateup")
-  if t.down is not None and t.down.x8 is not None:
-    raise ValueError(f"moe_pallas down: x8={t.down.x8!r}, expected None (h is read in float)")
+  dot8.check(t.down and t.down.x8, down.qtype, "moe_pallas down")
   cg = _cfg("gateup", gate.qtype, F, nbD // ks, t.gateup)
+  cd = _cfg("down", down.qtype, D, nbF, t.down)
+  if cd.x8 and ks == 1 and (cg.BN % 32 or F % cg.BN):
+    raise ValueError(f"moe_pallas down: x8={cd.x8!r} needs gate/up row tiles of whole 32-value blocks of h, "
+                     f"expected gateup BN a multiple of 32 dividing F {F}, got BN {cg.BN}")
   return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes), cg.x8 and x8,
               gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip),
-              cg=cg, cd=_cfg("down", down.qtype, D, nbF, t.down))
+              cg=cg, cd=cd)

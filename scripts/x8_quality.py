@@ -5,12 +5,13 @@ variant, and each variant's logits are compared with the float tiles' and with l
 the same file, which rounds activations to 8 bits as well: q8_0 / q8_K):
 
   python scripts/x8_quality.py [--gguf configs/data/default.gguf] [--windows 4] [--length 128]
-      [--variants float,x8,x8+px8]
+      [--variants float,x8,x8+dx8,x8+px8]
 
 Prints per variant: held-out loss (nats/token), its difference to the float tiles', the share of positions whose
 argmax equals the float tiles', and the relative L2 distance of the logits to the float tiles' and to llama.cpp's.
 A dev tool for the x8 default's quality question (docs/PERF.md "Integer dots on 8-bit x on the GPU"); not run by
-the tests. x8 variants: `x8` the routed experts' gate/up (the norm kernel rounds x), `x8+px8` also the projections.
+the tests. x8 variants: `x8` the routed experts' gate/up (the norm kernel rounds x), `x8+dx8` their down too (on h
+rounded by gate/up), `x8+px8` gate/up and the projections.
 """
 from __future__ import annotations
 
@@ -42,10 +43,14 @@ def options(variant: str) -> Options:
     return Options()
   if variant == "x8":
     return Options(tunings=Tunings(moe=ByType(**{q: moe_pallas.Tuning(gateup=x8) for q in dot8.TILES})))
+  if variant == "x8+dx8":
+    down = qmatmul_pallas.Tuning(x8="int")
+    gate = x8._replace(BN=32, programs=0)
+    return Options(tunings=Tunings(moe=ByType(**{q: moe_pallas.Tuning(gateup=gate, down=down) for q in dot8.TILES})))
   if variant == "x8+px8":
     return Options(tunings=Tunings(moe=ByType(**{q: moe_pallas.Tuning(gateup=x8) for q in dot8.TILES}),
                                    qmatmul=ByType(**{q: x8 for q in dot8.TILES})))
-  raise SystemExit(f"x8_quality: variant {variant!r}, expected float, x8 or x8+px8")
+  raise SystemExit(f"x8_quality: variant {variant!r}, expected float, x8, x8+dx8 or x8+px8")
 
 
 def teacher_forced(m, params, win, opts) -> np.ndarray:
@@ -70,7 +75,7 @@ def main():
   ap.add_argument("--gguf", default="configs/data/default.gguf")
   ap.add_argument("--windows", type=int, default=4)
   ap.add_argument("--length", type=int, default=128)
-  ap.add_argument("--variants", default="float,x8,x8+px8")
+  ap.add_argument("--variants", default="float,x8,x8+dx8,x8+px8")
   a = ap.parse_args()
   if a.length % PASS:
     raise SystemExit(f"x8_quality: --length {a.length}, expected a multiple of {PASS}")

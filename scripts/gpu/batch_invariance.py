@@ -86,6 +86,10 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
       t8 = moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(x8=a.x8))
       report(f"moe_pallas {mq} E {E} F {F} top {cfg.top_k} x8 {a.x8}",
              lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu, tuning=t8), x, ids, wts)
+      t8 = moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(x8=a.x8, BN=32, programs=0),
+                             down=qmatmul_pallas.Tuning(x8=a.x8))
+      report(f"moe_pallas {mq} E {E} F {F} top {cfg.top_k} x8 {a.x8} + down",
+             lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu, tuning=t8), x, ids, wts)
 
 # decode attention: the T rows of a verify pass against each query alone at its own causal length
 from model.kv_ring import KVRing  # noqa: E402

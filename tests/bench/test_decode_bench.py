@@ -362,6 +362,8 @@ t = glue.glue_options("on/xnat=Q4_K:4/x8=dp4a")[1]
 assert t.pick("moe", "Q4_K").gateup.x8 == "dp4a" and t.pick("moe", "Q4_K").gateup.natural_b == 4
 assert t.pick("moe", "Q4_K").down == qmatmul_pallas.Tuning(natural_b=4) and t.pick("qmatmul", "Q8_0").x8 is None
 assert t.pick("moe", "IQ3_S").gateup.x8 == "dp4a" and t.pick("moe", "Q6_K").gateup.x8 is None
+t = glue.glue_options("on/x8=dp4a/dx8=int")[1].pick("moe", "IQ3_S")
+assert t.gateup == qmatmul_pallas.Tuning(BN=32, programs=0, x8="dp4a") and t.down == qmatmul_pallas.Tuning(x8="int")
 t = glue.glue_options("on/px8=int")[1]
 assert t.pick("qmatmul", "Q8_0").x8 == "int" and t.pick("qmatmul", "Q6_K").x8 is None and t.moe is None
 assert glue.glue_options("on/tier=16384")[1].tier_block == 16384 and glue.glue_options("on")[1].tier_block is None
@@ -372,7 +374,7 @@ assert o.tunings.attention == attention_pallas.Tuning(bk=16, num_warps=4, num_st
 assert step.cell_options("on", "auto", "tf32x3").tunings.attention == attention_pallas.Tuning(dots="tf32x3")
 assert step.cell_options("off", "ref").glue is False and hash(o) == hash(step.cell_options("on", "bf16x2/16/4/1"))
 for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on/xnat=Q9_9:4", "on/qmm=-1",
-            "on/tier=3000", "on/tier=0", "on/span=100", "on/x8=ptx"):
+            "on/tier=3000", "on/tier=0", "on/span=100", "on/x8=ptx", "on/dx8=1"):
   try:
     glue.glue_options(bad); raise SystemExit(bad + " accepted")
   except app.UsageError as e:

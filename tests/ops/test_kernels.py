@@ -292,8 +292,50 @@ def test_moe_x8_gateup_matches_reference_on_the_rounded_x(gq):
     assert _relerr(y, want) < TOL_MOE, (x8, ks)
   y1 = moe_pallas.moe_pallas(x[1:2], ids[1:2], w[1:2], g, u, d, layer=1, interpret=True, tuning=ov)
   np.testing.assert_array_equal(np.asarray(y1[0]), np.asarray(y[1]))
-  with pytest.raises(ValueError, match="moe_pallas down: x8='int'"):
-    moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, tuning=moe_pallas.Tuning(down=QMM(x8="int")))
+  with pytest.raises(ValueError, match="moe_pallas down: x8='int' needs gate/up row tiles of whole 32-value"):
+    moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True,
+                          tuning=moe_pallas.Tuning(gateup=QMM(BN=16), down=QMM(x8="int")))
+
+
+def _moe_rounded_h_ref(x, ids, w, g, u, d):
+  """The MoE with x and h both rounded to 8 bits (dot8.rounded_x), from the dequantized weights, float64."""
+  rx = np.asarray(dot8.rounded_x(x), np.float64)
+  G, U, Dn = (np.asarray(t.dense(jnp.float32), np.float64) for t in (g, u, d))
+  y = np.zeros((x.shape[0], Dn.shape[1]))
+  for t in range(x.shape[0]):
+    for k, e in enumerate(np.asarray(ids[t])):
+      a, b = G[e] @ rx[t], U[e] @ rx[t]
+      h = (a / (1 + np.exp(-a)) * b).astype(np.float32)
+      rh = np.asarray(dot8.rounded_x(jnp.asarray(h[None])), np.float64)[0]
+      y[t] += float(w[t, k]) * (Dn[e] @ rh)
+  return y
+
+
+@pytest.mark.parametrize("gq,dq", [("IQ3_S", "IQ3_S"), ("Q8_0", "Q4_K")])
+def test_moe_x8_down_reads_h_rounded_by_gateup(gq, dq):
+  """down's tile x8: gate/up rounds its h rows in its epilogue (BN 32: one block a program), down sums on them;
+  against a float64 MoE on the rounded x and the rounded h; split over K (XLA rounds h) too; one token bitwise
+  alone and among three."""
+  rng = np.random.default_rng(29)
+  E, F, D, K, B = 4, 256, 512, 2, 3
+  g = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
+  u = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
+  d = QTensor.from_gguf(quant.random_blocks(dq, (E, D, F), rng), dq, F)
+  x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
+  ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
+  w = jnp.asarray(rng.random((B, K)).astype(np.float32))
+  want = _moe_rounded_h_ref(x, ids, w, g, u, d)
+  gate_only = np.asarray(moe_pallas.moe_pallas(x, ids, w, g, u, d, interpret=True,
+                                               tuning=moe_pallas.Tuning(gateup=QMM(BN=32, x8="int"))))
+  assert _relerr(gate_only, want) > 1e-4                                        # h's rounding is visible
+  for ks in (1, 2):
+    ov = moe_pallas.Tuning(gateup=QMM(BN=32, S=1, x8="int", programs=0), down=QMM(BN=32, S=1, x8="int"), ks=ks)
+    y = moe_pallas.moe_pallas(x, ids, w, g, u, d, interpret=True, tuning=ov)
+    assert _relerr(y, want) < TOL_MOE, ks
+  ov = ov._replace(ks=1)
+  y = moe_pallas.moe_pallas(x, ids, w, g, u, d, interpret=True, tuning=ov)
+  y1 = moe_pallas.moe_pallas(x[1:2], ids[1:2], w[1:2], g, u, d, interpret=True, tuning=ov)
+  np.testing.assert_array_equal(np.asarray(y1[0]), np.asarray(y[1]))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "IQ3_S", "Q4_K"])

@@ -91,6 +91,11 @@ def test_x8_tiles_lower(qtype, platform):
     txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(
         x, i, w, g, u, d, tuning=moe_pallas.Tuning(gateup=t)), x, ids, w, g, g, d)
     assert txt.count("__gpu$xla.gpu.triton") == 2
+    if qtype != "Q8_0":             # down on 8-bit h too (gate/up's epilogue rounds it: BN 32); Q4_K down
+      both = moe_pallas.Tuning(gateup=t._replace(BN=32), down=qmatmul_pallas.Tuning(x8=x8))
+      txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, tuning=both),
+                   x, ids, w, g, g, d)
+      assert txt.count("__gpu$xla.gpu.triton") == 2
     x4 = jax.ShapeDtypeStruct((4, 2048), jnp.float32)
     txt = _lower(platform, lambda x, w: qmatmul_pallas.qmatmul_pallas(x, w, tuning=t), x4,
                  _abstract_qtensor(qtype, (5120, 2048)))
