@@ -74,6 +74,17 @@ def _cases(names, precision="bf16"):
               (jax.ShapeDtypeStruct((B, 2048), jnp.float32), w))
         yield (f"moe_{q}_x8{x8}", functools.partial(lambda x, i, w, g, u, d, t: moe_pallas.moe_pallas(
             x, i, w, g, u, d, tuning=moe_pallas.Tuning(gateup=t)), t=t), (x1, ib, wb, g, g, d))
+      if q != "Q8_0":                 # down on 8-bit h too (gate/up BN 32 rounds h in its epilogue), same-type down
+        dq = _abstract_qtensor(q, (128, 2048, 768))
+        both = moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(x8="dp4a", BN=32), down=qmatmul_pallas.Tuning(x8="dp4a"))
+        yield (f"moe_{q}_x8dx8", lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, tuning=both),
+               (x1, ib, wb, g, g, dq))
+        yield (f"moe_{q}_same_down", lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d),
+               (x1, ib, wb, g, g, dq))
+    from ops import rmsnorm_pallas
+    for x8 in (False, True):
+      yield (f"rmsnorm_x8{x8}", functools.partial(lambda x, w, r, x8: rmsnorm_pallas.rms_norm_pallas(
+          x, w, 1e-6, r, x8=x8), x8=x8), (x1, jax.ShapeDtypeStruct((2048,), jnp.float32), x1))
   if "grouped" in names:
     ids = jax.ShapeDtypeStruct((1024, 8), jnp.int32)
     wk = jax.ShapeDtypeStruct((1024, 8), jnp.float32)
