@@ -19,7 +19,7 @@ def glue_options(spec: str):
     qmm=P              the projections' ops.qmatmul_pallas.Tuning(programs=P) (BN halves to reach P programs)
     x8=dp4a | int      the routed experts' gate/up on 8-bit x with integer dots (its tile's
                        ops.qmatmul_pallas.Tuning.x8, for the types of ops.dot8.TILES; the others keep the float tiles)
-    px8=dp4a | int     the same for the projections
+    px8=dp4a | int     the same for the projections (the norm rounds for wqkv / win, XLA for the others)
     dx8=dp4a | int     the routed experts' down on h rounded to 8 bits (gate/up's epilogue rounds it; sets the
                        gate/up tile's BN to 32 and programs to 0); the down type must be one of ops.dot8.TILES
     tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)

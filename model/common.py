@@ -36,6 +36,12 @@ def _op(opts: Options, name: str, own):
   return own
 
 
+def x8_kw(x8) -> dict:
+  """A layer function's x8 argument (x rounded to 8 bits by the norm before: ops.dot8.X8) where the norm made one:
+  only the model's own layer functions are given one (a stand-in, opts.layer_ops, never is)."""
+  return {} if x8 is None else {"x8": x8}
+
+
 def kernel_mode(tree) -> str:
   """"pallas" | "interpret" when the first QTensor in `tree` runs that kernel mode, else "ref" (dense weights, or
   the XLA reference: `--kernels xla`)."""

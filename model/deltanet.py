@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from model.common import _init, _ones, _op, _param, _zeros, kernel_mode
+from model.common import _init, _ones, _op, _param, _zeros, kernel_mode, x8_kw
 from model.config import ModelConfig
 from model.mesh import delta_heads, delta_parallel
 from model.options import DEFAULT, Options
@@ -49,14 +49,15 @@ class GatedDeltaNet(nn.Module):
   opts: Options = DEFAULT
 
   @nn.compact
-  def __call__(self, x_TD, cache: RecurrentLayer | None, keep: bool = False):
+  def __call__(self, x_TD, cache: RecurrentLayer | None, keep: bool = False, x8=None):
     c = self.cfg
     D, Hk, Hv, Dk, Dv, Cc, Kc = c.d_model, c.Hk, c.Hv, c.Dk, c.Dv, c.Cc, c.Kc
     T = x_TD.shape[0]
     lin = _op(self.opts, "linear", linear)
     if self.has_variable("params", "win"):          # fused at load (model.api.fuse_qkv): one matmul, one launch
       wqkv = self.get_variable("params", "win")
-      qkv_TCc, z, b_THv, a_THv = jnp.split(lin(x_TD, wqkv), [Cc, Cc + Hv * Dv, Cc + Hv * Dv + Hv], axis=-1)
+      qkv_TCc, z, b_THv, a_THv = jnp.split(lin(x_TD, wqkv, **x8_kw(x8)), [Cc, Cc + Hv * Dv, Cc + Hv * Dv + Hv],
+                                           axis=-1)
     else:
       wqkv = _param(self, "wqkv", _init, (Cc, D))
       qkv_TCc = lin(x_TD, wqkv)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from model import expert_cache as xc
-from model.common import _init, _ones, _op, _param, _zeros, kernel_mode
+from model.common import _init, _ones, _op, _param, _zeros, kernel_mode, x8_kw
 from model.deltanet import GatedDeltaNet
 from model.config import ModelConfig
 from model.host_tier import tier_block, tier_span
@@ -33,6 +33,7 @@ from model.kv_ring import KVLayer
 from model.mesh import expert_parallel, head_parallel, heads_split
 from model.options import DEFAULT, Options
 from ops import attention as attn_ops
+from ops import qmatmul as qmatmul_ops
 from ops import moe as moe_ops
 from ops import rope_write_pallas, router_pallas
 from ops import rmsnorm_pallas
@@ -69,7 +70,7 @@ class Attention(nn.Module):
   rope_offset: int = 0     # RoPE position = ring position + offset (the NextN ring's entry j sits at position j+1)
 
   @nn.compact
-  def __call__(self, x_TD, pos_T, cache: KVLayer | None, attn_block: int):
+  def __call__(self, x_TD, pos_T, cache: KVLayer | None, attn_block: int, x8=None):
     c = self.cfg
     D, H, Hkv, Dh = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     wo = _param(self, "wo", _init, (D, H * Dh))
@@ -77,7 +78,7 @@ class Attention(nn.Module):
     split = cache is not None and cache.tier is None and heads_split(self.opts.mesh, Hkv)
     glue = _rope_write_impl(self, c) if cache is not None and not split else "ref"
     if glue != "ref":                                 # q/k norm, RoPE and the ring write in one kernel
-      qkv = self._fused_qkv(x_TD)
+      qkv = self._fused_qkv(x_TD, x8)
       qn = _param(self, "q_norm", _ones, (Dh,)) if c.qk_norm else None
       kn = _param(self, "k_norm", _ones, (Dh,)) if c.qk_norm else None
       q, arrays = rope_write_pallas.rope_write(
@@ -87,7 +88,7 @@ class Attention(nn.Module):
       cache = cache.with_arrays(arrays)
       return cache, self._attend(x_TD, q, pos_T, cache, attn_block, wo)
     if self.has_variable("params", "wqkv"):          # fused at load (model.api.fuse_qkv): one matmul, one launch
-      q, k, v = jnp.split(self._fused_qkv(x_TD), [H * Dh, (H + Hkv) * Dh], axis=-1)
+      q, k, v = jnp.split(self._fused_qkv(x_TD, x8), [H * Dh, (H + Hkv) * Dh], axis=-1)
     else:
       wq = _param(self, "wq", _init, (H * Dh, D))
       wk = _param(self, "wk", _init, (Hkv * Dh, D))
@@ -128,9 +129,10 @@ class Attention(nn.Module):
                                             interpret=impl == "interpret").reshape(T, H, Dh)
     return rms_norm(x_THDh, w_Dh, self.cfg.rms_eps)
 
-  def _fused_qkv(self, x_TD):
-    return self._linear(x_TD, self.get_variable("params", "wqkv"),
-                        self.get_variable("params", "bqkv") if self.cfg.qkv_bias else None)
+  def _fused_qkv(self, x_TD, x8=None):
+    return _op(self.opts, "linear", linear)(x_TD, self.get_variable("params", "wqkv"),
+                                            self.get_variable("params", "bqkv") if self.cfg.qkv_bias else None,
+                                            **x8_kw(x8))
 
   def _out(self, x_TD, o_TN, wo):
     """The output projection of the heads' outputs [T, H Dh], gated by sigmoid(x Wgate^T) first when the model's
@@ -258,7 +260,7 @@ class MoE(nn.Module):
       # implies. The copy waits for the block's input (`after`), so the device holds a block's experts at a time,
       # overlapping its neighbour's at most (decode.kv_plan "streamed experts"). A no-op on the device.
       gate, up, down = (xc.to_device(t, after=x_TD) for t in (gate, up, down))
-      y = moe(x_TD, ids_TX, w_TX, gate, up, down, **_x8(x8))
+      y = moe(x_TD, ids_TX, w_TX, gate, up, down, **x8_kw(x8))
     else:
       y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe, x8)
     if c.n_shared_experts or c.shared_expert_gate:
@@ -274,11 +276,6 @@ class MoE(nn.Module):
     return y, experts
 
 
-def _x8(x8) -> dict:
-  """moe's x8 argument where the norm made one (the model's own moe only: a stand-in is never given one)."""
-  return {} if x8 is None else {"x8": x8}
-
-
 def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, moe, x8=None):
   """The routed experts through the expert cache: all of a step's experts at once when they fit the pool
   (bitwise the computation of the all-resident path), else token by token (each rounding its own x8)."""
@@ -287,7 +284,7 @@ def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, m
   if T * X <= S:
     slots, experts = xc.ensure(experts, block, ids_TX.reshape(-1), gate, up, down, n_experts)
     g, u, d = xc.pool_tensors(experts, block, gate, up, down)
-    return moe(x_TD, slots.reshape(T, X), w_TX, g, u, d, **_x8(x8)), experts
+    return moe(x_TD, slots.reshape(T, X), w_TX, g, u, d, **x8_kw(x8)), experts
 
   def tok(t, carry):
     y, ec = carry
@@ -312,12 +309,25 @@ def _moe_wants_x8(block: nn.Module, T: int) -> bool:
   return moe_ops.wants_x8(T, gate, o.tunings)
 
 
+def _proj_wants_x8(block: nn.Module, T: int, recurrent: bool) -> bool:
+  """Whether the mixer's input projection (attention's fused wqkv, a DeltaNet layer's fused win) reads its input
+  rounded to 8 bits (ops.qmatmul.wants_x8): then the norm before it makes the rounding. Only the model's own
+  linear on one device (tensor parallelism splits the projection's rows: it rounds for itself there)."""
+  o = block.opts
+  if o.mesh is not None or (o.layer_ops is not None and o.layer_ops.linear is not None):
+    return False
+  mixer = block.variables.get("params", {}).get("gdn" if recurrent else "attn", {})
+  return qmatmul_ops.wants_x8(T, mixer.get("win" if recurrent else "wqkv"), o.tunings)
+
+
 class Block(nn.Module):
   """Pre-norm decoder block: h = x + attn(norm(x)); out = h + ffn(norm(h)).
 
   Takes its layer's state and returns it: (x_TD, pos_T, cache, experts) -> (cache, experts, x_TD). The mixer is
   attention over the layer's `KVLayer`, or in a hybrid model's recurrent layers the Gated DeltaNet over its
-  `RecurrentLayer` (with `keep`, the state after each token too)."""
+  `RecurrentLayer` (with `keep`, the state after each token too). Where the mixer's input projection or the
+  routed experts' gate/up read 8-bit x (a tile's x8, ops/dot8), the norm before them rounds its output in the same
+  kernel and hands the rounding on (`x8=`)."""
   cfg: ModelConfig
   index: int               # block index in the file (decides dense vs MoE, attention vs DeltaNet)
   opts: Options = DEFAULT
@@ -331,17 +341,20 @@ class Block(nn.Module):
     recurrent = c.is_recurrent(self.index)
     glue = glue_impl(self.variables.get("params", {}).get("gdn" if recurrent else "attn", {}), o)
     nt = pick(o.tunings, "rmsnorm")
-    h = add_rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps, impl=glue, tuning=nt)
+    want8 = glue != "ref" and _proj_wants_x8(self, x_TD.shape[0], recurrent)
+    out = add_rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps, impl=glue, tuning=nt,
+                       x8=want8)
+    h, h8 = out if want8 else (out, None)
     if recurrent:
-      cache, a = GatedDeltaNet(c, o, name="gdn")(h, cache, self.keep)
+      cache, a = GatedDeltaNet(c, o, name="gdn")(h, cache, self.keep, x8=h8)
     else:
-      cache, a = Attention(c, o, self.rope_offset, name="attn")(h, pos_T, cache, self.attn_block)
+      cache, a = Attention(c, o, self.rope_offset, name="attn")(h, pos_T, cache, self.attn_block, x8=h8)
     moe_layer = c.is_moe_layer(self.index)
-    x8 = moe_layer and glue != "ref" and _moe_wants_x8(self, x_TD.shape[0])
+    want8 = moe_layer and glue != "ref" and _moe_wants_x8(self, x_TD.shape[0])
     x, h, *h8 = add_rms_norm(x_TD, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=a, impl=glue,
-                             tuning=nt, x8=x8)
+                             tuning=nt, x8=want8)
     if moe_layer:
-      y, experts = MoE(c, o, self.index, glue, name="ffn")(h, experts, *h8)
+      y, experts = MoE(c, o, self.index, glue, name="ffn")(h, experts, x8=h8[0] if h8 else None)
     else:
       y = DenseMLP(c, o, name="ffn")(h)
     return cache, experts, x + y

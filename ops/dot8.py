@@ -16,7 +16,9 @@ values applies the scales:
 The dot is `dp4a` (inline PTX `dp4a.s32.s32`, CUDA only) or `int_dot` (int32 shifts and multiplies: interpret
 mode, ROCm). Against the float tiles (ops/qmatmul_pallas) a result differs by x's rounding, at most |x| / 254 a
 value; against a float64 matvec of the same rounded x it is exact up to float32 rounding of the scales.
-A kernel takes them with its tile's `Tuning.x8` (ops/qmatmul_pallas; the MoE's gate/up). Reference:
+A kernel takes them with its tile's `Tuning.x8` (ops/qmatmul_pallas: the projections; ops/moe_pallas: gate/up, and
+down on h that gate/up rounds). The model has the norm before a consumer round x (ops.rmsnorm_pallas x8; the MoE's
+gate/up, attention's wqkv, a DeltaNet layer's win); other inputs are rounded by XLA before the kernel. Reference:
 `rounded_x` (x as the tiles see it) into ops.moe.moe_ref / ops.qmatmul.qmatmul_ref.
 """
 from __future__ import annotations

@@ -41,12 +41,12 @@ def rope_neox(x_THDh: jax.Array, pos_T: jax.Array, rope_dim: int, theta: float,
 
 
 def linear(x: jax.Array, w, b: jax.Array | None = None, *, tunings: Tunings | None = None,
-           precision: str = "auto") -> jax.Array:
+           precision: str = "auto", x8=None) -> jax.Array:
   """y = x @ w.T (+ b); w is [out, in] as GGUF stores it (dense or packed QTensor). A QTensor goes through
-  ops.qmatmul.qmatmul (the Pallas kernels on a GPU, dequantize-then-dot elsewhere) with `tunings` (static) and
-  `precision` (the prefill GEMM's: "auto" | "f32" | "bf16")."""
+  ops.qmatmul.qmatmul (the Pallas kernels on a GPU, dequantize-then-dot elsewhere) with `tunings` (static),
+  `precision` (the prefill GEMM's: "auto" | "f32" | "bf16") and `x8` (x rounded to 8 bits by the norm before)."""
   if isinstance(w, QTensor):
-    y = qmatmul.qmatmul(x, w, tunings=tunings, precision=precision)
+    y = qmatmul.qmatmul(x, w, tunings=tunings, precision=precision, x8=x8)
   else:
     y = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), as_dense(w))
   if b is not None:

@@ -479,7 +479,7 @@ def _qmm_kernel(*refs, qtype, names, B, N, BN, S, nb, unroll, stacked, natural, 
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "n", "interpret", "cfg"))
-def _qmatmul(x2, layer, planes, *, qtype, n, interpret, cfg):
+def _qmatmul(x2, layer, planes, x8, *, qtype, n, interpret, cfg):
   B = x2.shape[0]
   stacked = layer is not None
   N = planes[0].shape[int(stacked)]
@@ -491,7 +491,7 @@ def _qmatmul(x2, layer, planes, *, qtype, n, interpret, cfg):
     from ops import dot8
     dot8.check(cfg.x8, qtype, "qmatmul_pallas")
     tile8 = functools.partial(dot8.TILES[qtype], dot=dot8.dot_fn(cfg.x8, interpret))
-    xin = dot8.x8_input(x2, qtype)
+    xin = dot8.x8_input(x2, qtype, x8)
   else:
     tile8, xin = None, (x_input(x2.astype(F32), qtype, natural),)
   kernel = functools.partial(_qmm_kernel, qtype=qtype, names=names, B=B, N=N, BN=cfg.BN, S=cfg.S, nb=nb,
@@ -507,10 +507,11 @@ def supported(w, batch: int) -> bool:
 
 
 def qmatmul_pallas(x: jax.Array, w, *, layer=None, interpret: bool = False,
-                   tuning: Tuning | None = None) -> jax.Array:
+                   tuning: Tuning | None = None, x8=None) -> jax.Array:
   """x [..., K] @ W[N, K]^T -> [..., N] float32 with W a 2-D QTensor of a type in KERNEL_TYPES; B <= MAX_B.
   With `layer` (int32 scalar, may be traced) W is stacked [L, N, K] and layer `layer` is read in place.
-  tuning (static): the tile's fields to set over TUNING[w.qtype]."""
+  tuning (static): the tile's fields to set over TUNING[w.qtype]. x8: x already rounded to 8 bits (an
+  ops.dot8.X8 of x's B rows, by the norm kernel that made x), read by a tile with x8 instead of rounding here."""
   w2 = w if layer is None else w[0]
   N, K = w2.shape
   lead = x.shape[:-1]
@@ -520,5 +521,5 @@ def qmatmul_pallas(x: jax.Array, w, *, layer=None, interpret: bool = False,
                      f"{'' if layer is None else ' and a layer index'} is not supported")
   nb = K // quant.GGML_TYPES[w.qtype][0]
   cfg = config(w.qtype, N, nb, tuning, batch=max(x2.shape[0], INVARIANT_B))
-  y = _qmatmul(x2, layer, tuple(w.planes), qtype=w.qtype, n=K, interpret=interpret, cfg=cfg)
+  y = _qmatmul(x2, layer, tuple(w.planes), cfg.x8 and x8, qtype=w.qtype, n=K, interpret=interpret, cfg=cfg)
   return y.reshape(*lead, N)

@@ -62,15 +62,16 @@ dp4a)  # issue 27: ops/dot8's tiles as a matvec against the shipped kernel, then
   timeout ${TI:-120} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 2 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8-invariance.txt | grep -E "x8|DIFF" ;;
 x8norm)  # issue 27: x8 with the rounding in the RMSNorm kernel (commit 31c9947) against the float tiles, both expert
-  # types, interleaved, and with down on 8-bit h too (dx8: gate/up rounds h); the x8 rows' batch invariance; one
+  # types, interleaved, with down on 8-bit h too (dx8: gate/up rounds h), then the projections too (px8: the norm
+  # rounds for wqkv / win, XLA for o and the head); the x8 rows' batch invariance; one
   # traced run per variant (the launches a step: 644 float, 740 with XLA's rounding at a8c03c3, 596 expected now)
   for x in IQ3_S Q4_K; do
-    timeout ${TS:-140} $S30 --experts $x --glue on,on/x8=dp4a,on/x8=dp4a/dx8=dp4a --interleave --repeats 5 \
-      --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/x8norm-step.log | tail -4
+    timeout ${TS:-140} $S30 --experts $x --glue on,on/x8=dp4a,on/x8=dp4a/dx8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a --interleave --repeats 5 \
+      --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/x8norm-step.log | tail -8
   done
   timeout ${TI:-100} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 1 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8norm-invariance.txt | grep -E "x8|DIFF"
-  GX=on/x8=dp4a,on/x8=dp4a/dx8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
+  GX=on/x8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
 x8anchor)  # issue 27 items 1-2 with x8: llama.cpp (../shared/anchor's tarball and llama_bench.py copied into .anchor/,
   # carried) and ours with and without x8 on one 30B file at 1K (EXPERTS=Q4_K for the other expert type); ~6 min
   PRESET=qwen3moe-30b-a3b EXPERTS=${EXPERTS:-IQ3_S} GLUES="on on/x8=dp4a" PART=short1k TO=${TO:-150} \

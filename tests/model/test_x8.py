@@ -15,11 +15,13 @@ from model import api, transformer
 from model.loader import load_model
 from model.options import Options
 from ops import dot8, moe_pallas, qmatmul_pallas
+from ops import qmatmul as ops_qmatmul
 from ops.qtensor import with_kernels
-from ops.tuning import Tunings
+from ops.tuning import ByType, Tunings
 from tests.models import model_path
 
 X8 = Options(tunings=Tunings(moe=moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(x8="int"))))
+PX8 = Options(tunings=Tunings(qmatmul=ByType(**{q: qmatmul_pallas.Tuning(x8="int") for q in dot8.TILES})))
 
 
 def _step_logits(m, params, options):
@@ -52,3 +54,23 @@ def test_norm_rounds_x_for_the_experts(arch, monkeypatch):
   float_tiles = _step_logits(m, params, Options())
   err = np.linalg.norm(fused - float_tiles) / np.linalg.norm(float_tiles)
   assert 1e-6 < err < 0.2, err                                # x8 is on, and only rounds
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_norm_rounds_x_for_the_mixer_projection(arch, monkeypatch):
+  """The projections on 8-bit x: the norm before the mixer rounds for its fused input projection (attention's
+  wqkv, a DeltaNet layer's win); bitwise the step whose projections round x themselves, with fewer roundings in
+  XLA (the others' inputs, o and the head, are not a norm's)."""
+  m = load_model(model_path(arch, "Q8_0"))          # every projection Q8_0: q/k/v and the DeltaNet inputs fused
+  params = with_kernels(m.params, "interpret")
+  mixer = params["blk_0"]["gdn" if m.cfg.is_recurrent(0) else "attn"]
+  assert ops_qmatmul.wants_x8(1, mixer["win" if m.cfg.is_recurrent(0) else "wqkv"], PX8.tunings)
+  real, calls = dot8.quantize_x, []
+  monkeypatch.setattr(dot8, "quantize_x", lambda x: calls.append(x.shape) or real(x))
+  fused = _step_logits(m, params, PX8)
+  n_fused, calls[:] = len(calls), []
+  monkeypatch.setattr(transformer, "_proj_wants_x8", lambda block, T, recurrent: False)
+  own = _step_logits(m, params, PX8)
+  assert n_fused < len(calls), (n_fused, len(calls))
+  np.testing.assert_array_equal(fused, own)
+
