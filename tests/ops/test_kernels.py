@@ -219,6 +219,12 @@ def test_moe_split_k_matches_reference(ks):
     moe_pallas.moe_pallas(x, ids, w, g, u, d, layer=1, interpret=True, tuning=moe_pallas.Tuning(ks=3))
 
 
+def _random_experts(rng, gq, dq, E, F, D, lead=()):
+  """Random valid gate, up [*lead, E, F, D] of type gq and down [*lead, E, D, F] of type dq, as QTensors."""
+  g, u = (QTensor.from_gguf(quant.random_blocks(gq, (*lead, E, F, D), rng), gq, D) for _ in range(2))
+  return g, u, QTensor.from_gguf(quant.random_blocks(dq, (*lead, E, D, F), rng), dq, F)
+
+
 @pytest.mark.parametrize("ks", [1, 2])
 @pytest.mark.parametrize("gq,dq", [("IQ3_S", "Q4_K"), ("Q8_0", "IQ4_NL")])
 def test_moe_skip_pairs_with_a_negative_id(gq, dq, ks):
@@ -226,9 +232,7 @@ def test_moe_skip_pairs_with_a_negative_id(gq, dq, ks):
   result equals the kernel without skip on the same pairs at id 0 with weight 0 (bitwise) and the reference."""
   rng = np.random.default_rng(17)
   E, F, D, K, B = 4, 256, 512, 3, 3
-  g = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
-  u = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
-  d = QTensor.from_gguf(quant.random_blocks(dq, (E, D, F), rng), dq, F)
+  g, u, d = _random_experts(rng, gq, dq, E, F, D)
   x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
   ids = np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32)
   own = np.array([[True, False, True], [False, False, True], [False, False, False]])
@@ -278,9 +282,7 @@ def test_moe_x8_gateup_matches_reference_on_the_rounded_x(gq):
   not depend on the other rows (bitwise: one token against three); x8 on down is a one-line error."""
   rng = np.random.default_rng(19)
   L, E, F, D, K, B = 2, 4, 256, 512, 2, 3
-  g = QTensor.from_gguf(quant.random_blocks(gq, (L, E, F, D), rng), gq, D)
-  u = QTensor.from_gguf(quant.random_blocks(gq, (L, E, F, D), rng), gq, D)
-  d = QTensor.from_gguf(quant.random_blocks("Q4_K", (L, E, D, F), rng), "Q4_K", F)
+  g, u, d = _random_experts(rng, gq, "Q4_K", E, F, D, lead=(L,))
   x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
   ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
   w = jnp.asarray(rng.random((B, K)).astype(np.float32))
@@ -318,9 +320,7 @@ def test_moe_x8_down_reads_h_rounded_by_gateup(gq, dq):
   alone and among three."""
   rng = np.random.default_rng(29)
   E, F, D, K, B = 4, 256, 512, 2, 3
-  g = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
-  u = QTensor.from_gguf(quant.random_blocks(gq, (E, F, D), rng), gq, D)
-  d = QTensor.from_gguf(quant.random_blocks(dq, (E, D, F), rng), dq, F)
+  g, u, d = _random_experts(rng, gq, dq, E, F, D)
   x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
   ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(B)]).astype(np.int32))
   w = jnp.asarray(rng.random((B, K)).astype(np.float32))
