@@ -12,7 +12,8 @@
 #   x8norm    issue 27: x8 with the rounding in the norm kernel, the step A/B for both expert types, its rows'
 #             invariance, a trace (~5 min). FIRST: it decides x8's default (PERF "Integer dots on 8-bit x on the GPU")
 #   x8anchor  issue 27: llama.cpp and ours with and without x8 on one 30B file at 1K, same call (~6 min; carry .whl
-#             and .anchor: `mkdir -p .anchor && cp ../shared/anchor/{llama_cpp_cuda_sm90.tar.xz,llama_bench.py} .anchor/`)
+#             and .anchor: `mkdir -p .anchor && cp ../shared/anchor/{llama_cpp_cuda_sm90.tar.xz,llama_bench.py} .anchor/`;
+#             .whl also needs diskcache's wheel for llama-cpp-python: `cp /opt/pypi/files/diskcache-*.whl .whl/`)
 #   x8replay  issues 26 item 5 / 27 item 5: replay k = 3 and plain at 1K on seed-mtp, with and without x8 (~6 min)
 #   dp4a      (ran 2026-12-04 evening) issue 27: Q8_0, IQ3_S and Q4_K tiles on 8-bit x with dp4a (ops/dot8) checked compiled and timed
 #             against the float tiles (scripts/gpu/dp4a_probe.py), then the 30B step with them in the experts'
