@@ -391,7 +391,7 @@ def test_matmul_tiles_do_not_depend_on_the_batch_up_to_a_verify_pass(qtype, monk
   kernel body into its context). Larger batches may shrink them (registers)."""
   seen = {}
 
-  def record(x2, layer, planes, **kw):                        # the kernel's entry: keep its tiles, skip the work
+  def record(x2, layer, planes, x8, **kw):                    # the kernel's entry: keep its tiles, skip the work
     seen[x2.shape[0]] = kw["cfg"]
     return jnp.zeros((x2.shape[0], 64), jnp.float32)
 
