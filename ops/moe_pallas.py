@@ -217,20 +217,15 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
       gateup, grid=(pl.cdiv(F, cg.BN), P, KS), out_shape=out_shape,
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
   )(ids, *xin, qp.table(gq), *lid, *gplanes, *uplanes)
-  if cd.x8:
-    if KS > 1:                                   # h made by XLA: rounded there
-      g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
-      hin = dot8.x8_input(g / (1.0 + jnp.exp(-g)) * u, dq)
-    else:
-      hin = dot8.x8_view(dot8.X8(*parts), dq)
+  if KS > 1:                                     # XLA adds the partial sums, then makes h
+    g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
+    h = g / (1.0 + jnp.exp(-g)) * u
+    hin = dot8.x8_input(h, dq) if cd.x8 else (qp.x_input(h, dq, nat_d),)   # rounded there for down's x8
+  elif cd.x8:
+    hin = dot8.x8_view(dot8.X8(*parts), dq)
   else:
-    if KS > 1:
-      g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
-      h = qp.x_input(g / (1.0 + jnp.exp(-g)) * u, dq, nat_d)
-    else:
-      h = parts
     view = qp.XVIEW[dq] if nat_d else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
-    hin = (h.reshape(P, nbF, *view),)                                      # the x layout of dq
+    hin = (parts.reshape(P, nbF, *view),)                                  # the x layout of dq
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd.BN, S=cd.S, nb=nbF,
                            unroll=cd.unroll, stacked=stacked, natural=nat_d, skip=skip,
                            tile8=cd.x8 and functools.partial(dot8.TILES[dq], dot=dot8.dot_fn(cd.x8, interpret)))

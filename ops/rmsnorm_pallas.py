@@ -10,7 +10,7 @@ batch. It also folds the residual add and the norm's two XLA kernels into one la
 
 `add_rms_norm(x, w, eps, res=None, impl=..., tuning=None, x8=False)`: with `res`, s = x + res and returns (s, norm(s));
 without, norm(x); with x8 the norm rounded to 8 bits per 32 values comes last (ops.dot8.X8, for a consumer on 8-bit
-x: the MoE's gate/up), made in the same program instead of XLA's three launches. Takes D a power of two (the kernel
+x: the MoE's gate/up, the mixer's input projection), made in the same program instead of XLA's three launches. Takes D a power of two (the kernel
 loads whole rows); other shapes run the reference.
 """
 from __future__ import annotations
