@@ -5,7 +5,7 @@ from __future__ import annotations
 from absl import app
 
 GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0, "
-              "qmm=P, x8=dp4a|int, px8=dp4a|int, dx8=dp4a|int, tier=N, span=N (powers of two)")
+              "qmm=P, x8=dp4a|int, px8=dp4a|int, dx8=dp4a|int, tier=N, span=N (powers of two), fuse=NAME+NAME")
 
 
 def glue_options(spec: str):
@@ -24,6 +24,7 @@ def glue_options(spec: str):
                        gate/up tile's BN to 32 and programs to 0); the down type must be one of ops.dot8.TILES
     tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)
     span=N             positions per span of it, the pieces a row sees whole (ops.tuning.Tunings.tier_span)
+    fuse=NAME+NAME     work moved into a neighbouring kernel (ops.tuning.FUSIONS; Tunings.fuse)
 
   >>> glue_options("on/rope=1")[1].rope_write
   Tuning(q_programs=1, num_warps=None)
@@ -65,6 +66,9 @@ def glue_options(spec: str):
           raise ValueError(val)
         for t in qmatmul_pallas.KERNEL_TYPES:
           proj[t]["programs"] = int(val)
+      elif key == "fuse":
+        kw["fuse"] = tuple(val.split("+"))
+        Tunings(fuse=kw["fuse"])                           # names from FUSIONS, else ValueError
       elif key in ("tier", "span"):
         name = {"tier": "tier_block", "span": "tier_span"}[key]
         kw[name] = int(val)

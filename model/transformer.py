@@ -20,6 +20,9 @@ gate/up -> gateup, a DeltaNet layer's input projections -> win, where the parts 
 """
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -35,7 +38,7 @@ from model.options import DEFAULT, Options
 from ops import attention as attn_ops
 from ops import qmatmul as qmatmul_ops
 from ops import moe as moe_ops
-from ops import rope_write_pallas, router_pallas
+from ops import norm_router_pallas, rope_write_pallas, router_pallas
 from ops import rmsnorm_pallas
 from ops.rmsnorm_pallas import add_rms_norm
 from ops.layers import linear, rms_norm, rope_neox, swiglu
@@ -235,7 +238,10 @@ class MoE(nn.Module):
   glue: str = "ref"        # routing kernels: "pallas" | "interpret" | "ref" (glue_impl)
 
   @nn.compact
-  def __call__(self, x_TD, experts=None, x8=None):
+  def __call__(self, x_TD, experts=None, x8=None, parts: bool = False, logits=None):
+    """(y, experts): y [T, D], or with `parts` the pieces of y for the next norm kernel to add (a tuple: the routed
+    experts' X weighted rows [T, X, D] where the decode kernel ran, else their sum, then the shared expert's).
+    logits: x's router logits, made by the norm before (`norm_routes`): only the top-k runs here."""
     c = self.cfg
     D, E, F = c.d_model, c.n_experts, c.d_ff_expert
     router = _param(self, "router", _init, (E, D))
@@ -246,7 +252,8 @@ class MoE(nn.Module):
     lin, moe = _op(self.opts, "linear", linear), _op(self.opts, "moe", moe_ops.moe)
     ids_TX, w_TX = router_pallas.route(x_TD, router, bias, routing=c.routing, top_k=c.top_k, norm_topk=c.norm_topk,
                                        routed_scale=c.routed_scale, impl=self.glue,
-                                       logits_fn=lambda x: lin(x, router), tuning=pick(self.opts.tunings, "router"))
+                                       logits_fn=lambda x: lin(x, router), tuning=pick(self.opts.tunings, "router"),
+                                       logits=logits)
     T, X = ids_TX.shape
     if self.opts.mesh is not None:                 # expert parallel: each device its share of the experts, a psum
       if experts is not None:
@@ -260,9 +267,10 @@ class MoE(nn.Module):
       # implies. The copy waits for the block's input (`after`), so the device holds a block's experts at a time,
       # overlapping its neighbour's at most (decode.kv_plan "streamed experts"). A no-op on the device.
       gate, up, down = (xc.to_device(t, after=x_TD) for t in (gate, up, down))
-      y = moe(x_TD, ids_TX, w_TX, gate, up, down, **x8_kw(x8))
+      y = moe(x_TD, ids_TX, w_TX, gate, up, down, **x8_kw(x8), **_parts_kw(parts, self.opts))
     else:
       y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe, x8)
+    pieces = (y,)
     if c.n_shared_experts or c.shared_expert_gate:
       ys = swiglu_mlp(self, x_TD, "_shexp", D, c.d_ff_shared)
       if c.shared_expert_gate:
@@ -272,8 +280,14 @@ class MoE(nn.Module):
         else:
           gl = x_TD.astype(jnp.float32) @ g.astype(jnp.float32)
         ys = ys * jax.nn.sigmoid(gl)[:, None]
-      y = y + ys
-    return y, experts
+      pieces += (ys,)
+    return (pieces if parts else functools.reduce(jnp.add, pieces)), experts
+
+
+def _parts_kw(parts: bool, opts: Options) -> dict:
+  """ops.moe.moe's parts argument where the FFN's output goes to the next norm kernel in pieces: only the model's
+  own moe is given one (a stand-in, opts.layer_ops, returns [T, D])."""
+  return {"parts": True} if parts and (opts.layer_ops is None or opts.layer_ops.moe is None) else {}
 
 
 def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, moe, x8=None):
@@ -320,6 +334,32 @@ def _proj_wants_x8(block: nn.Module, T: int, recurrent: bool) -> bool:
   return qmatmul_ops.wants_x8(T, mixer.get("win" if recurrent else "wqkv"), o.tunings)
 
 
+def norm_routes(block: nn.Module, T: int, glue: str) -> bool:
+  """Whether this MoE block's FFN norm also makes the router's logits (Tunings.fuse "router",
+  ops.norm_router_pallas): where the route kernels run (glue on, a float router, the kernels' shapes), the model's
+  own MoE on one device."""
+  o, c = block.opts, block.cfg
+  if glue == "ref" or "router" not in (pick(o.tunings, "fuse") or ()) or o.mesh is not None or o.layer_ops:
+    return False
+  router = block.variables.get("params", {}).get("ffn", {}).get("router")
+  return (router is not None and not isinstance(router, QTensor) and c.top_k <= c.n_experts
+          and norm_router_pallas.supported(T, c.n_experts, c.d_model))
+
+
+class Pending(NamedTuple):
+  """The residual stream with a block's FFN output not yet added: x_TD + ops.rmsnorm_pallas.residual_sum(pieces).
+  Under Tunings.fuse "residual" a decode or verify pass hands it from block to block and the next norm kernel
+  (the next block's attn_norm, or output_norm) makes the sum in its own program: one XLA launch fewer a layer."""
+  x_TD: jax.Array
+  pieces: tuple
+
+
+def defers_residual(opts: Options, T: int) -> bool:
+  """Whether a Decoder over T tokens hands the residual stream on as `Pending` (Tunings.fuse "residual", T within
+  the norm kernel's rows)."""
+  return "residual" in (pick(opts.tunings, "fuse") or ()) and T <= rmsnorm_pallas.MAX_T
+
+
 class Block(nn.Module):
   """Pre-norm decoder block: h = x + attn(norm(x)); out = h + ffn(norm(h)).
 
@@ -327,13 +367,15 @@ class Block(nn.Module):
   attention over the layer's `KVLayer`, or in a hybrid model's recurrent layers the Gated DeltaNet over its
   `RecurrentLayer` (with `keep`, the state after each token too). Where the mixer's input projection or the
   routed experts' gate/up read 8-bit x (a tile's x8, ops/dot8), the norm before them rounds its output in the same
-  kernel and hands the rounding on (`x8=`)."""
+  kernel and hands the rounding on (`x8=`). x_TD may come as `Pending` (the block before deferred its FFN's sum:
+  the attn_norm adds it); with `defer` this block returns its own output as `Pending` too."""
   cfg: ModelConfig
   index: int               # block index in the file (decides dense vs MoE, attention vs DeltaNet)
   opts: Options = DEFAULT
   rope_offset: int = 0
   attn_block: int = 256
   keep: bool = False
+  defer: bool = False
 
   @nn.compact
   def __call__(self, x_TD, pos_T, cache, experts=None):
@@ -341,23 +383,37 @@ class Block(nn.Module):
     recurrent = c.is_recurrent(self.index)
     glue = glue_impl(self.variables.get("params", {}).get("gdn" if recurrent else "attn", {}), o)
     nt = pick(o.tunings, "rmsnorm")
+    pending = isinstance(x_TD, Pending)
+    x_TD, res = (x_TD.x_TD, x_TD.pieces) if pending else (x_TD, None)
     want8 = glue != "ref" and _proj_wants_x8(self, x_TD.shape[0], recurrent)
-    out = add_rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps, impl=glue, tuning=nt,
-                       x8=want8)
-    h, h8 = out if want8 else (out, None)
+    out = add_rms_norm(x_TD, _param(self, "attn_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=res, impl=glue,
+                       tuning=nt, x8=want8)
+    out = out if isinstance(out, tuple) else (out,)                # ([the stream's sum], norm, [its rounding])
+    if pending:
+      x_TD, *out = out
+    h, h8 = out[0], (out[1] if want8 else None)
     if recurrent:
       cache, a = GatedDeltaNet(c, o, name="gdn")(h, cache, self.keep, x8=h8)
     else:
       cache, a = Attention(c, o, self.rope_offset, name="attn")(h, pos_T, cache, self.attn_block, x8=h8)
     moe_layer = c.is_moe_layer(self.index)
     want8 = moe_layer and glue != "ref" and _moe_wants_x8(self, x_TD.shape[0])
-    x, h, *h8 = add_rms_norm(x_TD, _param(self, "ffn_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=a, impl=glue,
-                             tuning=nt, x8=want8)
+    ffn_norm = _param(self, "ffn_norm", _ones, (c.d_model,))
+    logits = None
+    if moe_layer and norm_routes(self, x_TD.shape[0], glue):
+      router = self.variables["params"]["ffn"]["router"]
+      x, h, logits, *h8 = norm_router_pallas.norm_logits_pallas(
+          x_TD, a, ffn_norm, router, c.rms_eps, x8=want8, interpret=glue == "interpret",
+          tuning=pick(o.tunings, "router"))
+    else:
+      x, h, *h8 = add_rms_norm(x_TD, ffn_norm, c.rms_eps, res_TD=a, impl=glue, tuning=nt, x8=want8)
     if moe_layer:
-      y, experts = MoE(c, o, self.index, glue, name="ffn")(h, experts, x8=h8[0] if h8 else None)
+      y, experts = MoE(c, o, self.index, glue, name="ffn")(h, experts, x8=h8[0] if h8 else None, parts=self.defer,
+                                                          logits=logits)
     else:
       y = DenseMLP(c, o, name="ffn")(h)
-    return cache, experts, x + y
+      y = (y,) if self.defer else y
+    return cache, experts, Pending(x, y) if self.defer else x + y
 
 
 def _embed(table, tokens_T):
@@ -387,8 +443,9 @@ class Decoder(nn.Module):
     embed = _param(self, "token_embd", _init, (c.vocab_size, c.d_model))
     x = _embed(embed, tokens_T)
     kept = []
+    defer = defers_residual(self.opts, x.shape[0])
     for i in range(c.n_layers):
-      blk = Block(c, i, self.opts, attn_block=attn_block, keep=self.keep, name=f"blk_{i}")
+      blk = Block(c, i, self.opts, attn_block=attn_block, keep=self.keep, defer=defer, name=f"blk_{i}")
       if c.is_recurrent(i):
         j = c.gdn_layer(i)
         cache, experts, x = blk(x, pos_T, None if rec is None else rec.cache(j), experts)
@@ -401,8 +458,10 @@ class Decoder(nn.Module):
         if ring is not None:
           ring = ring.with_cache(j, cache)
     head = embed if c.tied_embeddings else _param(self, "output", _init, (c.vocab_size, c.d_model))
-    hidden = add_rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps,
+    x, res = (x.x_TD, x.pieces) if defer else (x, None)
+    hidden = add_rms_norm(x, _param(self, "output_norm", _ones, (c.d_model,)), c.rms_eps, res_TD=res,
                           impl=glue_impl(head, self.opts), tuning=pick(self.opts.tunings, "rmsnorm"))
+    hidden = hidden[1] if defer else hidden                        # (the stream's sum, the norm)
     logits = _op(self.opts, "linear", linear)(hidden[-1:] if last_only else hidden, head)
     return logits, hidden, ring, experts, (tuple(kept) if self.keep and rec is not None else rec)
 

@@ -146,7 +146,7 @@ def wants_x8(T: int, gate, tunings: Tunings | None = None) -> bool:
 
 
 def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, precision: str = "auto",
-        n_experts: int | None = None, owned=None, x8=None):
+        n_experts: int | None = None, owned=None, x8=None, parts: bool = False):
   """Dispatch on the experts' `kernel` field: "pallas" / "interpret" take the decode kernels (ops/moe_pallas)
   for T <= 16 tokens and the grouped tensor-core GEMM (ops/moe_grouped_pallas: row tiles of one expert) for more,
   when the types have kernels; everything else takes `moe_ref`. tunings (static): the kernels' pieces (`moe`,
@@ -155,13 +155,15 @@ def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, p
   model.mesh): bool [T, X], False for a pair routed to an expert this device does not hold (its weight must be 0,
   its id any local one): the decode kernels skip it (no expert rows read), the other paths compute it with weight 0.
   None: every pair is computed (the one-device path, unchanged). x8: x rounded to 8 bits by the norm before
-  (wants_x8; an ops.dot8.X8), for the decode kernel's gate/up; the other paths read x."""
+  (wants_x8; an ops.dot8.X8), for the decode kernel's gate/up; the other paths read x. parts: the decode kernel
+  returns each token's X weighted rows unsummed, [T, X, D] (moe_pallas's parts); the other paths return [T, D]."""
   if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kernel in ("pallas", "interpret"):
     interpret = gate.kernel == "interpret"
     if moe_pallas.supported(x_TD, ids_TX, gate, up, down):
       ids = ids_TX if owned is None else jnp.where(owned, ids_TX, -1)
       return moe_pallas.moe_pallas(x_TD, ids, w_TX, gate, up, down, interpret=interpret,
-                                   tuning=pick(tunings, "moe", gate.qtype), skip=owned is not None, x8=x8)
+                                   tuning=pick(tunings, "moe", gate.qtype), skip=owned is not None, x8=x8,
+                                   parts=parts)
     if moe_grouped_pallas.supported(gate, up, down):
       return moe_grouped_pallas.moe_grouped_pallas(x_TD, ids_TX, w_TX, gate, up, down, interpret=interpret,
                                                    tuning=pick(tunings, "grouped", gate.qtype), precision=precision)

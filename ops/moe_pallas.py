@@ -192,8 +192,9 @@ def _cfg(kernel, qtype, rows, nb, tile):
   return qp.config(qtype, rows, nb, fill(tile, TUNING[kernel, qtype]))
 
 
-@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip"))
-def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D, F, interpret, cg, cd, KS, skip):
+@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip", "parts"))
+def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D, F, interpret, cg, cd, KS, skip,
+         parts):
   T, X = ids_TX.shape
   P = T * X
   ids = ids_TX.reshape(P).astype(I32)
@@ -213,19 +214,19 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
     out_shape = (jax.ShapeDtypeStruct((P, F // 4), I32),) + (jax.ShapeDtypeStruct((P, F // 32), F32),) * 2
   else:
     out_shape = jax.ShapeDtypeStruct((P, F), F32)
-  parts = pl.pallas_call(
+  gu = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg.BN), P, KS), out_shape=out_shape,
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
   )(ids, *xin, qp.table(gq), *lid, *gplanes, *uplanes)
   if KS > 1:                                     # XLA adds the partial sums, then makes h
-    g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in parts)   # fixed order
+    g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in gu)      # fixed order
     h = g / (1.0 + jnp.exp(-g)) * u
     hin = dot8.x8_input(h, dq) if cd.x8 else (qp.x_input(h, dq, nat_d),)   # rounded there for down's x8
   elif cd.x8:
-    hin = dot8.x8_view(dot8.X8(*parts), dq)
+    hin = dot8.x8_view(dot8.X8(*gu), dq)
   else:
     view = qp.XVIEW[dq] if nat_d else tuple(qp.XVIEW[dq][i] for i in qp.XPERM[dq])
-    hin = (parts.reshape(P, nbF, *view),)                                  # the x layout of dq
+    hin = (gu.reshape(P, nbF, *view),)                                  # the x layout of dq
   down = functools.partial(_down_kernel, qtype=dq, names=names_d, D=D, BN=cd.BN, S=cd.S, nb=nbF,
                            unroll=cd.unroll, stacked=stacked, natural=nat_d, skip=skip,
                            tile8=cd.x8 and functools.partial(dot8.TILES[dq], dot=dot8.dot_fn(cd.x8, interpret)))
@@ -234,6 +235,8 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",
   )(ids, w_TX.reshape(P).astype(F32), *hin, qp.table(dq), *lid, *dplanes)
   y = y.reshape(T, X, D)
+  if parts:
+    return y
   out = y[:, 0]
   for k in range(1, X):                      # fixed order: out = ((y0 + y1) + y2) + ...
     out = out + y[:, k]
@@ -241,7 +244,7 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
 
 
 def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: bool = False,
-               tuning: Tuning | None = None, skip: bool = False, x8: dot8.X8 | None = None):
+               tuning: Tuning | None = None, skip: bool = False, x8: dot8.X8 | None = None, parts: bool = False):
   """sum_k w[t, k] * down[e](silu(gate[e] x_t) * up[e] x_t), e = ids[t, k]; packed QTensor experts
   gate/up [E, F, D], down [E, D, F]; T <= 16. With `layer` (an int32 scalar, may be traced) the experts are
   stacked over layers, [L, E, F, D] / [L, E, D, F], and layer `layer` is used without slicing it out.
@@ -249,7 +252,8 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
   negative (an expert another device owns, under expert parallelism) is skipped: its programs read no expert rows
   and its terms are 0. Off: the kernels are those without the branch. x8: x already rounded to 8 bits (by the norm
   kernel that made it, ops.rmsnorm_pallas), read by a gate/up tile with x8 instead of rounding x here; the float
-  tiles ignore it."""
+  tiles ignore it. parts (static): the X weighted rows of each token unsummed, [T, X, D], for a consumer that adds
+  them itself in the same order (the next norm kernel, ops.rmsnorm_pallas's pieces)."""
   g3, u3, d3 = (w if layer is None else w[0] for w in (gate, up, down))   # per-layer view, for the checks only
   if not supported(x_TD, ids_TX, g3, u3, d3) or len(gate.shape) != 3 + (layer is not None):
     raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} {gate.shape} with {ids_TX.shape[0]} "
@@ -269,4 +273,4 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
                      f"expected gateup BN a multiple of 32 dividing F {F}, got BN {cg.BN}")
   return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes), cg.x8 and x8,
               gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip),
-              cg=cg, cd=cd)
+              cg=cg, cd=cd, parts=bool(parts))

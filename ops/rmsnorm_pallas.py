@@ -9,7 +9,10 @@ greedy token. Here every row is one program running the same code whatever T is,
 batch. It also folds the residual add and the norm's two XLA kernels into one launch.
 
 `add_rms_norm(x, w, eps, res=None, impl=..., tuning=None, x8=False)`: with `res`, s = x + res and returns (s, norm(s));
-without, norm(x); with x8 the norm rounded to 8 bits per 32 values comes last (ops.dot8.X8, for a consumer on 8-bit
+without, norm(x). res is one array [T, D], or the pieces of one: arrays [T, J, D] (or [T, D], J = 1) whose J
+rows are added first, left to right over the pieces and their rows, so s = x + (((r_0 + r_1) + ...) + r_n): a
+layer's routed experts' X partial rows and its shared expert's output, summed here instead of in an XLA launch
+before the norm (`Tunings.fuse` "residual"); with x8 the norm rounded to 8 bits per 32 values comes last (ops.dot8.X8, for a consumer on 8-bit
 x: the MoE's gate/up, the mixer's input projection), made in the same program instead of XLA's three launches. Takes D a power of two (the kernel
 loads whole rows); other shapes run the reference.
 """
@@ -43,24 +46,62 @@ def supported(T: int, D: int) -> bool:
   return 1 <= T <= MAX_T and D > 0 and D & (D - 1) == 0
 
 
-def _kernel(x_ref, w_ref, *refs, eps: float, residual: bool, x8: bool):
+def _kernel(x_ref, w_ref, *refs, eps: float, parts: tuple[int, ...], x8: bool):
   refs = list(refs)
-  r_ref = refs.pop(0) if residual else None
-  s_ref = refs.pop(0) if residual else None
+  r_refs = [refs.pop(0) for _ in parts]
+  s_ref = refs.pop(0) if parts else None
   y_ref = refs.pop(0)
   t = pl.program_id(0)
   x = x_ref[t, :]
-  if residual:
-    x = x + r_ref[t, :]
+  if parts:
+    r = None
+    for r_ref, J in zip(r_refs, parts):             # left to right over the pieces and their rows
+      for j in range(J):
+        r = r_ref[t, j, :] if r is None else r + r_ref[t, j, :]
+    x = x + r
     s_ref[t, :] = x
-  y = x * jax.lax.rsqrt(jnp.mean(x * x) + eps) * w_ref[...]     # as rms_norm
+  y = norm_row(x, w_ref[...], eps)
   y_ref[t, :] = y
-  if x8:                                                         # y rounded to 8 bits (ops.dot8.quantize_x's ops)
-    words_ref, dx_ref, xsum_ref = refs
-    q, dx = dot8.round32(y.reshape(y.shape[0] // 32, 32))
-    words_ref[t, :, :] = dot8.pack(q)
-    dx_ref[t, :] = dx
-    xsum_ref[t, :] = dx * jnp.sum(q, axis=1).astype(jnp.float32)
+  if x8:
+    write_x8(*refs, t, y)
+
+
+def norm_row(x_D, w_D, eps: float):
+  """One row's RMSNorm inside a kernel (the ops of ops.layers.rms_norm)."""
+  return x_D * jax.lax.rsqrt(jnp.mean(x_D * x_D) + eps) * w_D
+
+
+def write_x8(words_ref, dx_ref, xsum_ref, t, y_D):
+  """Row t of an X8 ([T, D/32, 8] words, [T, D/32] dx and xsum) from a kernel's row y (ops.dot8.quantize_x's ops)."""
+  q, dx = dot8.round32(y_D.reshape(y_D.shape[0] // 32, 32))
+  words_ref[t, :, :] = dot8.pack(q)
+  dx_ref[t, :] = dx
+  xsum_ref[t, :] = dx * jnp.sum(q, axis=1).astype(jnp.float32)
+
+
+def x8_shapes(T: int, D: int) -> list:
+  """The out_shape entries of an X8 a kernel writes with `write_x8`; `as_x8` views them flat."""
+  return [jax.ShapeDtypeStruct((T, D // 32, 8), jnp.int32)] + [jax.ShapeDtypeStruct((T, D // 32), jnp.float32)] * 2
+
+
+def as_x8(words, dx, xsum) -> dot8.X8:
+  return dot8.X8(words.reshape(words.shape[0], -1), dx, xsum)
+
+
+def _pieces(res) -> tuple:
+  """res (None, an array [T, D] or [T, J, D], or a tuple of them) as a tuple of [T, J, D] arrays."""
+  if res is None:
+    return ()
+  return tuple(r if r.ndim == 3 else r[:, None] for r in (res if isinstance(res, (tuple, list)) else (res,)))
+
+
+def residual_sum(res):
+  """The jnp sum of res's rows in the kernel's order: ((r_0 + r_1) + ...) + r_n over the pieces and their rows."""
+  r = None
+  for piece in _pieces(res):
+    for j in range(piece.shape[1]):
+      r = piece[:, j] if r is None else r + piece[:, j]
+  return r
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "tuning", "x8"))
@@ -69,21 +110,23 @@ def rms_norm_pallas(x_TD, w_D, eps: float, res_TD=None, *, interpret: bool = Fal
   T, D = x_TD.shape
   t = fill(tuning, TUNING)
   residual = res_TD is not None
-  args = [x_TD.astype(jnp.float32), w_D.astype(jnp.float32)] + ([res_TD.astype(jnp.float32)] if residual else [])
+  pieces = _pieces(res_TD)
+  args = [x_TD.astype(jnp.float32), w_D.astype(jnp.float32)] + [r.astype(jnp.float32) for r in pieces]
   out = [jax.ShapeDtypeStruct((T, D), jnp.float32)] * (2 if residual else 1)
   if x8:
-    out += [jax.ShapeDtypeStruct((T, D // 32, 8), jnp.int32)] + [jax.ShapeDtypeStruct((T, D // 32), jnp.float32)] * 2
-  outs = pl.pallas_call(functools.partial(_kernel, eps=eps, residual=residual, x8=x8), out_shape=out, grid=(T,),
+    out += x8_shapes(T, D)
+  parts = tuple(r.shape[1] for r in pieces)
+  outs = pl.pallas_call(functools.partial(_kernel, eps=eps, parts=parts, x8=x8), out_shape=out, grid=(T,),
                         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=1),
                         interpret=interpret, name="rms_norm")(*args)
   n = 2 if residual else 1
-  rounded = (dot8.X8(outs[n].reshape(T, D // 4), outs[n + 1], outs[n + 2]),) if x8 else ()
+  rounded = (as_x8(*outs[n:n + 3]),) if x8 else ()
   return (*outs[:n], *rounded) if residual or x8 else outs[0]
 
 
 def add_rms_norm(x_TD, w_D, eps: float, res_TD=None, *, impl: str = "ref", tuning: Tuning | None = None,
                  x8: bool = False):
-  """norm(x) or, with res, (x + res, norm(x + res)); with x8 the result also carries the norm rounded to 8 bits
+  """norm(x) or, with res, (x + r, norm(x + r)), r = res or the sum of its pieces (`residual_sum`); with x8 the result also carries the norm rounded to 8 bits
   (an ops.dot8.X8, last) for a consumer on 8-bit x. impl "pallas" | "interpret" runs the kernel where `supported`
   (x 2-D, T <= MAX_T, D a power of two) with `tuning` (static), the rounding in the same program; "ref" the jnp ops
   and dot8.quantize_x."""
@@ -94,7 +137,7 @@ def add_rms_norm(x_TD, w_D, eps: float, res_TD=None, *, impl: str = "ref", tunin
   if res_TD is None:
     out = (rms_norm(x_TD, w_D, eps),)
   else:
-    s = x_TD + res_TD
+    s = x_TD + residual_sum(res_TD)
     out = (s, rms_norm(s, w_D, eps))
   if x8:
     out += (dot8.quantize_x(out[-1].reshape(-1, x_TD.shape[-1])),)

@@ -144,9 +144,19 @@ def route_pallas(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk
                  interpret: bool = False, tuning: Tuning | None = None):
   """(ids [T, X] int32, weights [T, X] float32) for tokens x (the normed hidden states) and a float router.
   tuning (static): the fields to set over TUNING."""
-  T, E = x_TD.shape[0], router_ED.shape[0]
+  logits = logits_pallas(x_TD, router_ED, interpret=interpret, tuning=tuning)
+  return topk_pallas(logits, bias_E, routing=routing, top_k=top_k, norm_topk=norm_topk, routed_scale=routed_scale,
+                     interpret=interpret, tuning=tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("routing", "top_k", "norm_topk", "routed_scale", "interpret", "tuning"))
+def topk_pallas(logits_TE, bias_E, *, routing: str, top_k: int, norm_topk: bool, routed_scale: float,
+                interpret: bool = False, tuning: Tuning | None = None):
+  """(ids [T, X] int32, weights [T, X] float32) from router logits [T, E] (the route kernel alone: the logits came
+  from another kernel, e.g. ops.norm_router_pallas)."""
+  logits = logits_TE
+  T, E = logits.shape
   t = fill(tuning, TUNING)
-  logits = logits_pallas(x_TD, router_ED, interpret=interpret, tuning=t)
   KP = 1 << (top_k - 1).bit_length()
   has_bias = routing != "softmax" and bias_E is not None
   args = [logits] + ([bias_E.astype(jnp.float32)] if has_bias else [])
@@ -161,15 +171,22 @@ def route_pallas(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk
 
 
 def route(x_TD, router_ED, bias_E, *, routing: str, top_k: int, norm_topk: bool, routed_scale: float,
-          impl: str = "ref", logits_fn=None, tuning: Tuning | None = None):
+          impl: str = "ref", logits_fn=None, tuning: Tuning | None = None, logits=None):
   """Dispatcher. impl "pallas" | "interpret": the kernels where `supported` and the router is a float array, with
-  `tuning` (static); otherwise (or "ref") logits_fn(x) (the model's linear; default a float32 dot) and route_ref."""
+  `tuning` (static); otherwise (or "ref") logits_fn(x) (the model's linear; default a float32 dot) and route_ref.
+  logits: x's router logits [T, E] made already (by ops.norm_router_pallas, where the kernels apply): only the
+  top-k kernel runs."""
   if impl not in IMPLS:
     raise ValueError(f"route: impl {impl!r}, expected one of {IMPLS}")
   T, D = x_TD.shape
   kw = dict(routing=routing, top_k=top_k, norm_topk=norm_topk, routed_scale=routed_scale)
   if impl != "ref" and not isinstance(router_ED, QTensor) and supported(T, router_ED.shape[0], D, top_k):
+    if logits is not None:
+      return topk_pallas(logits, bias_E, interpret=impl == "interpret", tuning=tuning, **kw)
     return route_pallas(x_TD, router_ED, bias_E, interpret=impl == "interpret", tuning=tuning, **kw)
+  if logits is not None:
+    raise ValueError(f"route: logits given for {impl!r} routing of {T} tokens by a {type(router_ED).__name__} "
+                     f"router, expected them only where the route kernels apply")
   logits = logits_fn(x_TD) if logits_fn else jnp.einsum("td,ed->te", x_TD.astype(jnp.float32),
                                                         router_ED.astype(jnp.float32))
   return route_ref(logits, bias_E, **kw)

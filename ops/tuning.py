@@ -23,6 +23,11 @@ from __future__ import annotations
 import dataclasses
 
 ATTENTION_IMPLS = ("ref", "pallas", "interpret")
+# Work of a decode or verify pass moved into a neighbouring kernel, each saving one launch a layer (Tunings.fuse):
+#   "residual"  a block's FFN output (the routed experts' X rows unsummed, a shared expert's) is added to the
+#               residual stream by the next norm kernel (ops.rmsnorm_pallas's pieces) instead of an XLA launch
+#   "router"    a MoE layer's FFN norm and its router's logits in one kernel (ops.norm_router_pallas)
+FUSIONS = ("residual", "router")
 
 
 def fill(given, table_value):
@@ -64,8 +69,12 @@ class Tunings:
   # "ref" | "interpret" (the kernels in interpret mode, CPU tests); None: "pallas" on a GPU, "ref" elsewhere.
   attention_impl: str | None = None
   prefill_attention_impl: str | None = None
+  # The FUSIONS to make (a tuple of their names; empty: none).
+  fuse: tuple = ()
 
   def __post_init__(self):
+    if not isinstance(self.fuse, tuple) or not set(self.fuse) <= set(FUSIONS):
+      raise ValueError(f"Tunings: fuse {self.fuse!r}, expected a tuple of names from {FUSIONS}")
     for name in ("attention_impl", "prefill_attention_impl"):
       v = getattr(self, name)
       if v is not None and v not in ATTENTION_IMPLS:

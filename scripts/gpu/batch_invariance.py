@@ -25,7 +25,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="seed-mtp")
 ap.add_argument("--layers", type=int, default=4)
 ap.add_argument("--T", type=int, default=4)
-ap.add_argument("--glue", default="on,off", help="model.options.Options.glue settings of the trunk check")
+ap.add_argument("--glue", default="on,off", help="the trunk check's glue specs (bench.glue: on, off, on/fuse=...)")
 ap.add_argument("--proj_types", default="Q8_0", help="projection types of the qmatmul rows (Q4_K, IQ3_S, Q6_K: "
                 "their tiles shrink with the batch above ops.qmatmul_pallas.INVARIANT_B)")
 ap.add_argument("--moe_types", default="IQ3_S", help="routed-expert types of the moe_pallas rows (Q4_K: its word-shaped tile)")
@@ -61,6 +61,13 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
     for i, part in enumerate(("words", "dx", "xsum")):
       report(f"rms_norm_pallas x8: {part}", lambda x, i=i: rmsnorm_pallas.rms_norm_pallas(
           x, jnp.ones((D,)), 1e-6, x * 0.5, interpret=cpu, x8=True)[2][i], x)
+  parts = jnp.asarray(rng.standard_normal((T, cfg.top_k, D)), jnp.float32)
+  report("rms_norm_pallas (+ residual in pieces: Tunings.fuse residual)", lambda x, p: rmsnorm_pallas.rms_norm_pallas(
+      x, jnp.ones((D,)), 1e-6, (p, x * 0.5), interpret=cpu)[1], x, parts)
+  from ops import norm_router_pallas
+  for i, part in enumerate(("sum", "norm", "logits")):
+    report(f"norm_router_pallas: {part} (Tunings.fuse router)", lambda x, i=i: norm_router_pallas.norm_logits_pallas(
+        x, x * 0.5, jnp.ones((D,)), wr, 1e-6, interpret=cpu)[i], x)
   bias = jnp.asarray(rng.standard_normal(E) * 0.01, jnp.float32)
   rkw = dict(routing=cfg.routing, top_k=cfg.top_k, norm_topk=cfg.norm_topk, routed_scale=cfg.routed_scale)
   report("route_pallas: weights", lambda x: router_pallas.route_pallas(x, wr, bias, interpret=cpu, **rkw)[1], x)
@@ -176,9 +183,12 @@ def steps_vs_pass(make_state, prompt, chunk: int, options: Options):
   return [f"{v:.2e}" for v in d], [bool(np.array_equal(outs[0][i].argmax(), outs[1][i].argmax())) for i in range(T)]
 
 
+from bench.glue import glue_options  # noqa: E402
 for rw in a.glue.split(","):
+  on, tun = glue_options(rw)
+  tun = tun.replace(attention_impl=BASE.tunings.attention_impl) if BASE.tunings else tun
   d, same = steps_vs_pass(lambda: api.init_state(small, 4096, "int8", scratch=T), prompt, len(prompt),
-                          BASE.replace(glue=rw == "on"))
+                          BASE.replace(glue=on, tunings=tun))
   print(f"trunk {a.preset} x {a.layers} layers, glue kernels {rw}: {T} steps vs a {T}-token pass, max |diff| per "
         f"position {d}, argmax equal {same}", flush=True)
 

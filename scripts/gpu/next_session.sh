@@ -11,6 +11,9 @@
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
 #   x8norm    issue 27: x8 with the rounding in the norm kernel, the step A/B for both expert types, its rows'
 #             invariance, a trace (~5 min). FIRST: it decides x8's default (PERF "Integer dots on 8-bit x on the GPU")
+#   fuse      issue 27 item 3: the step with the launch fusions (Tunings.fuse residual, router), both expert types,
+#             interleaved, alone and on x8; the fused kernels' rows' invariance (~7 min); then PART=fusetrace (a
+#             trace per variant, ~4 min). Right after x8norm: a fusion that measures no gain is deleted
 #   x8anchor  issue 27: llama.cpp and ours with and without x8 on one 30B file at 1K, same call (~6 min; carry .whl
 #             and .anchor: `mkdir -p .anchor && cp ../shared/anchor/{llama_cpp_cuda_sm90.tar.xz,llama_bench.py} .anchor/`;
 #             .whl also needs diskcache's wheel for llama-cpp-python: `cp /opt/pypi/files/diskcache-*.whl .whl/`)
@@ -73,6 +76,20 @@ x8norm)  # issue 27: x8 with the rounding in the RMSNorm kernel (commit 31c9947)
   timeout ${TI:-100} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 1 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8norm-invariance.txt | grep -E "x8|DIFF"
   GX=on/x8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
+fuse)  # issue 27 item 3: a block's FFN sum added by the next norm kernel (fuse=residual: -1 launch a layer), the FFN
+  # norm and the router logits in one kernel (fuse=router: -1 more), alone and on x8 (commit after 0ed06e0); the
+  # fused kernels' rows and a 4-layer trunk's verify pass against its steps; a trace per variant (596 launches
+  # a step expected for the float Q4_K step, 500 with both fusions)
+  F=fuse=residual+router
+  for x in IQ3_S Q4_K; do
+    timeout ${TS:-200} $S30 --experts $x --glue on,on/fuse=residual,on/$F,on/x8=dp4a,on/x8=dp4a/$F --interleave \
+      --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/fuse-step.log | tail -8
+  done
+  timeout ${TI:-150} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 4 --moe_types IQ3_S \
+    --glue on,on/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/fuse-invariance.txt | grep -E "fuse|trunk|DIFF" ;;
+fusetrace)  # the traces of PART=fuse's variants (launches and kernel time a step, per kernel)
+  GX=on,on/fuse=residual+router,on/x8=dp4a/fuse=residual+router TX=${TX:-120} PART=x8trace \
+    bash scripts/gpu/next_session.sh ;;
 x8anchor)  # issue 27 items 1-2 with x8: llama.cpp (../shared/anchor's tarball and llama_bench.py copied into .anchor/,
   # carried) and ours with and without x8 on one 30B file at 1K (EXPERTS=Q4_K for the other expert type); ~6 min
   PRESET=qwen3moe-30b-a3b EXPERTS=${EXPERTS:-IQ3_S} GLUES="on on/x8=dp4a" PART=short1k TO=${TO:-150} \
@@ -90,7 +107,7 @@ x8trace)  # issue 27 item 3: where a 30B step's time goes with and without the x
     timeout ${TX:-200} $S30 --experts $x --steps 32 --repeats 1 --glue ${GX:-on,on/x8=dp4a} \
       --profile $OUT/trace-$x --cells 4096:1024:auto:pallas 2>&1 | filt | tail -5
     for c in $OUT/trace-$x/*; do [ -d $c ] || continue; f=$(find $c -name "*.json.gz" | head -1)
-      [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 32 --top 30 > ${c//=/-}.summary.txt 2>&1; rm -rf $c; done
+      [ -n "$f" ] && python3 scripts/gpu/trace_summary.py $f --steps 32 --top 30 > ${c//[=+]/-}.summary.txt 2>&1; rm -rf $c; done
   done
   tail -n 4 $OUT/trace-*/*.summary.txt ;;
 seed128b)  ONLY=AR,AN FIRST=2 SEEDS=1 JOBS=2 REUSE=1 DEPTH=131072 TO=555 bash scripts/gpu/hybrid_seed4.sh ;;

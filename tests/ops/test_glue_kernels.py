@@ -71,6 +71,58 @@ def test_rms_norm_kernel_rounds_its_output_to_8_bits(residual):
   np.testing.assert_array_equal(np.asarray(with_ref[-1].words), np.asarray(dot8.quantize_x(with_ref[-2]).words))
 
 
+def test_rms_norm_kernel_adds_the_residual_from_pieces():
+  """res as pieces (a routed-experts block [T, X, D] and a shared expert's [T, D]): the stream's sum is bitwise
+  numpy's float32 left fold x + (((r_0 + r_1) + ...) + r_n), the norm that of the sum against float64, the
+  reference path the same bits, and each row as computed alone."""
+  T, X, D = 3, 4, 256
+  x = RNG.standard_normal((T, D)).astype(np.float32) * 3
+  routed = RNG.standard_normal((T, X, D)).astype(np.float32)
+  shared = RNG.standard_normal((T, D)).astype(np.float32)
+  w = (1 + 0.1 * RNG.standard_normal(D)).astype(np.float32)
+  r = routed[:, 0]
+  for j in range(1, X):
+    r = r + routed[:, j]
+  want_s = x + (r + shared)
+  s64 = want_s.astype(np.float64)
+  want_y = s64 / np.sqrt(np.mean(s64 * s64, axis=1, keepdims=True) + 1e-6) * w
+  f = jax.jit(lambda x, a, b: rmsnorm_pallas.rms_norm_pallas(x, jnp.asarray(w), 1e-6, (a, b), interpret=True))
+  s, y = (np.asarray(v) for v in f(x, routed, shared))
+  np.testing.assert_array_equal(s, want_s)
+  np.testing.assert_allclose(y, want_y, rtol=2e-6, atol=1e-6)
+  ref_s, _ = rmsnorm_pallas.add_rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6, (routed, shared), impl="ref")
+  np.testing.assert_array_equal(np.asarray(ref_s), want_s)
+  alone = _rows_alone(lambda *a: f(*a)[1], x, routed, shared)
+  np.testing.assert_array_equal(y, np.concatenate(alone))
+
+
+@pytest.mark.parametrize("tuning", [None, router_pallas.Tuning(programs=8, dc=64, warps=2)])
+def test_norm_router_kernel(tuning):
+  """ops.norm_router_pallas: the stream's sum bitwise x + res, the norm and the logits against float64, the 8-bit
+  rounding bitwise XLA's of the kernel's own norm, and each row as computed alone (logits included)."""
+  from ops import dot8, norm_router_pallas
+  T, D, E = 3, 256, 64
+  x = RNG.standard_normal((T, D)).astype(np.float32) * 3
+  r = RNG.standard_normal((T, D)).astype(np.float32)
+  w = (1 + 0.1 * RNG.standard_normal(D)).astype(np.float32)
+  wr = (RNG.standard_normal((E, D)) * 0.05).astype(np.float32)
+  f = jax.jit(lambda x, r: norm_router_pallas.norm_logits_pallas(x, r, w, wr, 1e-6, x8=True, interpret=True,
+                                                                  tuning=tuning))
+  s, y, logits, x8 = f(x, r)
+  np.testing.assert_array_equal(np.asarray(s), x + r)
+  s64 = (x + r).astype(np.float64)
+  y64 = s64 / np.sqrt(np.mean(s64 * s64, axis=1, keepdims=True) + 1e-6) * w
+  np.testing.assert_allclose(np.asarray(y), y64, rtol=2e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(logits), y64 @ wr.astype(np.float64).T, rtol=1e-5, atol=1e-5)
+  for a, b in zip(x8, dot8.quantize_x(y)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  alone = _rows_alone(lambda *a: f(*a)[1:3], x, r)
+  np.testing.assert_array_equal(np.asarray(y), np.concatenate([a[0] for a in alone]))
+  np.testing.assert_array_equal(np.asarray(logits), np.concatenate([a[1] for a in alone]))
+  with pytest.raises(ValueError, match="logits given for 'ref' routing"):   # logits only where the top-k kernel runs
+    router_pallas.route(y, wr, None, routing="softmax", top_k=2, norm_topk=True, routed_scale=1.0, logits=logits)
+
+
 @pytest.mark.parametrize("routing,E,K,norm,scale", [("softmax", 128, 8, True, 1.0), ("sigmoid", 64, 10, True, 2.5),
                                                     ("softmax", 8, 2, False, 1.0)])
 def test_route_kernel(routing, E, K, norm, scale):
@@ -158,6 +210,13 @@ def test_glue_kernels_lower(platform):
                                           x, w, x)
   assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w, r: rmsnorm_pallas.rms_norm_pallas(x, w, 1e-6, r,
                                                                                                     x8=True), x, w, x)
+  from ops import norm_router_pallas
+  wr = jax.ShapeDtypeStruct((E, D), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, r, w, wr: norm_router_pallas.norm_logits_pallas(
+      x, r, w, wr, 1e-6, x8=True), x, x, w, wr)
+  parts = jax.ShapeDtypeStruct((T, 8, D), jnp.float32)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w, p, r: rmsnorm_pallas.rms_norm_pallas(
+      x, w, 1e-6, (p, r), x8=True), x, w, parts, x)
   wr = jax.ShapeDtypeStruct((E, D), jnp.float32)
   b = jax.ShapeDtypeStruct((E,), jnp.float32)
   txt = _lower(platform, lambda x, wr, b: router_pallas.route_pallas(x, wr, b, routing="sigmoid", top_k=10,

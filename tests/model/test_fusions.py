@@ -1,0 +1,87 @@
+"""Work moved into a neighbouring kernel (ops.tuning.FUSIONS, `Tunings.fuse`) leaves the model's numbers as they
+were and takes launches out of a decode step.
+- "residual": a block's FFN output goes to the next norm kernel in pieces (the routed experts' X rows unsummed,
+  the shared expert's output), which adds them to the residual stream in the order XLA did; a one-token step and
+  a 4-token verify pass give the logits of the unfused model, and the step's jaxpr has X (+ 1 with a shared
+  expert) fewer [T, D] adds a MoE layer.
+- "router": a MoE layer's FFN norm makes the router's logits (ops.norm_router_pallas): one kernel where the norm
+  and the logits kernels were, the logits those of the unfused model to float32 rounding (the norm's reduction is
+  another program's), and with the experts on 8-bit x the fused kernel makes the rounding."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import api
+from model.loader import load_model
+from model.options import Options
+from ops import dot8, moe_pallas, qmatmul_pallas
+from ops.qtensor import with_kernels
+from ops.tuning import Tunings
+from tests.models import model_path
+from tests.ops.test_kernels import _eqn_shapes
+
+
+def _kernel_names(fn, *args) -> list:
+  """The name of every Pallas kernel a call of fn traces."""
+  names = []
+
+  def walk(jaxpr):
+    for eq in jaxpr.eqns:
+      if eq.primitive.name == "pallas_call":
+        names.append(eq.params["name"])
+      else:
+        for sub in jax.extend.core.jaxprs_in_params(eq.params):
+          walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return names
+
+
+def _setup(arch):
+  m = load_model(model_path(arch, "IQ3_S"))
+  toks = jnp.asarray(np.random.default_rng(5).integers(0, 1000, 12), jnp.int32)
+  _, _, st = api.prefill(m.params, toks[:8], api.init_state(m.cfg, 256, "int8"), cfg=m.cfg)
+  step = lambda options: (lambda p, t, s: api.forward(p, t, s, cfg=m.cfg, options=options)[0])
+  n_moe = sum(m.cfg.is_moe_layer(i) for i in range(m.cfg.n_layers))
+  return m, with_kernels(m.params, "interpret"), toks, st, step, n_moe
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_residual_goes_to_the_next_norm_kernel(arch):
+  m, params, toks, st, step, n_moe = _setup(arch)
+  fused = Options(tunings=Tunings(fuse=("residual",)))
+  for T in (1, 4):
+    got, want = (np.asarray(jax.jit(step(o))(params, toks[8:8 + T], st)) for o in (fused, Options()))
+    if m.cfg.shared_expert_gate:
+      # the same sum; XLA fuses the unfused model's shared-expert gate multiply into its add (one rounding fewer)
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    else:
+      np.testing.assert_array_equal(got, want)
+    n_fused, n_plain = (_eqn_shapes(step(o), params, toks[8:8 + T], st).count(("add", (T, m.cfg.d_model)))
+                        for o in (fused, Options()))
+    shared = bool(m.cfg.n_shared_experts or m.cfg.shared_expert_gate)
+    assert n_plain - n_fused == n_moe * (m.cfg.top_k + shared), (n_plain, n_fused)   # X - 1 (+ 1) + the stream's
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_ffn_norm_makes_the_router_logits(arch, monkeypatch):
+  m, params, toks, st, step, n_moe = _setup(arch)
+  x8 = Tunings(moe=moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(x8="int")))
+  real, calls = dot8.quantize_x, []
+  monkeypatch.setattr(dot8, "quantize_x", lambda x: calls.append(x.shape) or real(x))
+  outs = {}
+  for tunings, T in ((Tunings(), 1), (Tunings(), 4), (x8, 1)):
+    fused = Options(tunings=tunings.replace(fuse=("router", "residual")))
+    got, want = (np.asarray(jax.jit(step(o))(params, toks[8:8 + T], st)) for o in (fused, Options(tunings=tunings)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    outs[tunings == x8, T] = got
+  names, plain = (_kernel_names(step(o), params, toks[8:9], st)
+                  for o in (Options(tunings=Tunings(fuse=("router",))), Options()))
+  assert names.count("norm_router_logits") == n_moe
+  assert plain.count("router_logits") - names.count("router_logits") == n_moe
+  assert plain.count("rms_norm") - names.count("rms_norm") == n_moe
+  assert not calls                  # with x8 the fused kernel rounded the experts' x: XLA never did
+  err = np.linalg.norm(outs[True, 1] - outs[False, 1]) / np.linalg.norm(outs[False, 1])
+  assert 1e-6 < err < 0.2, err      # and x8 was on
