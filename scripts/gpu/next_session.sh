@@ -77,7 +77,7 @@ x8norm)  # issue 27: x8 with the rounding in the RMSNorm kernel (commit 31c9947)
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8norm-invariance.txt | grep -E "x8|DIFF"
   GX=on/x8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
 fuse)  # issue 27 item 3: a block's FFN sum added by the next norm kernel (fuse=residual: -1 launch a layer), the FFN
-  # norm and the router logits in one kernel (fuse=router: -1 more), alone and on x8 (commit after 0ed06e0); the
+  # norm and the router logits in one kernel (fuse=router: -1 more), alone and on x8 (commit 5f70317); the
   # fused kernels' rows and a 4-layer trunk's verify pass against its steps; a trace per variant (596 launches
   # a step expected for the float Q4_K step, 500 with both fusions)
   F=fuse=residual+router
