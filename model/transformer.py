@@ -250,6 +250,30 @@ class MoE(nn.Module):
     down = _param(self, "down_exps", _init, (E, D, F))
     bias = _param(self, "router_bias", _zeros, (E,)) if c.routing != "softmax" else None
     lin, moe = _op(self.opts, "linear", linear), _op(self.opts, "moe", moe_ops.moe)
+
+    def with_shared(y):
+      """The routed experts' output y with the shared expert's (if any): as pieces with `parts`, else summed."""
+      pieces = (y,)
+      if c.n_shared_experts or c.shared_expert_gate:
+        ys = swiglu_mlp(self, x_TD, "_shexp", D, c.d_ff_shared)
+        if c.shared_expert_gate:
+          g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe, hybrid: one gate logit per token
+          if self.glue != "ref" and x_TD.shape[0] <= router_pallas.MAX_T and D & (D - 1) == 0:   # batch invariant
+            gl = router_pallas.logits_pallas(x_TD, g[None], interpret=self.glue == "interpret")[:, 0]
+          else:
+            gl = x_TD.astype(jnp.float32) @ g.astype(jnp.float32)
+          ys = ys * jax.nn.sigmoid(gl)[:, None]
+        pieces += (ys,)
+      return pieces if parts else functools.reduce(jnp.add, pieces)
+
+    if self._routes_in_kernel(x_TD.shape[0], router, gate, up, down, experts):
+      rt = pick(self.opts.tunings, "router")
+      if logits is None:
+        logits = router_pallas.logits_pallas(x_TD, router, interpret=self.glue == "interpret", tuning=rt)
+      y = moe_ops.moe_routed(x_TD, logits, bias, gate, up, down, routing=c.routing, top_k=c.top_k,
+                             norm_topk=c.norm_topk, routed_scale=c.routed_scale, tunings=self.opts.tunings,
+                             x8=x8, parts=parts)
+      return with_shared(y), experts
     ids_TX, w_TX = router_pallas.route(x_TD, router, bias, routing=c.routing, top_k=c.top_k, norm_topk=c.norm_topk,
                                        routed_scale=c.routed_scale, impl=self.glue,
                                        logits_fn=lambda x: lin(x, router), tuning=pick(self.opts.tunings, "router"),
@@ -270,18 +294,15 @@ class MoE(nn.Module):
       y = moe(x_TD, ids_TX, w_TX, gate, up, down, **x8_kw(x8), **_parts_kw(parts, self.opts))
     else:
       y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe, x8)
-    pieces = (y,)
-    if c.n_shared_experts or c.shared_expert_gate:
-      ys = swiglu_mlp(self, x_TD, "_shexp", D, c.d_ff_shared)
-      if c.shared_expert_gate:
-        g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe, hybrid: one gate logit per token
-        if self.glue != "ref" and T <= router_pallas.MAX_T and D & (D - 1) == 0:   # batch-invariant rows
-          gl = router_pallas.logits_pallas(x_TD, g[None], interpret=self.glue == "interpret")[:, 0]
-        else:
-          gl = x_TD.astype(jnp.float32) @ g.astype(jnp.float32)
-        ys = ys * jax.nn.sigmoid(gl)[:, None]
-      pieces += (ys,)
-    return (pieces if parts else functools.reduce(jnp.add, pieces)), experts
+    return with_shared(y), experts
+
+  def _routes_in_kernel(self, T, router, gate, up, down, experts) -> bool:
+    """Tunings.fuse "topk": the decode kernels route for themselves (ops.moe.moe_routed) where the route kernel
+    would run, every expert resident, the model's own moe on one device."""
+    o = self.opts
+    return ("topk" in (pick(o.tunings, "fuse") or ()) and self.glue != "ref" and experts is None
+            and o.mesh is None and not o.layer_ops
+            and moe_ops.routes_itself(T, router, gate, up, down, self.cfg.top_k))
 
 
 def _parts_kw(parts: bool, opts: Options) -> dict:

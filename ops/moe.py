@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ops import moe_grouped_pallas, moe_pallas, qmatmul_pallas
+from ops import moe_grouped_pallas, moe_pallas, qmatmul_pallas, router_pallas
 from ops.moe_layout import combine, grouped_tile_rows, tile_layout
 from ops.qtensor import QTensor, as_dense, weight_shape
 from ops.tuning import Tunings, pick
@@ -168,3 +168,24 @@ def moe(x_TD, ids_TX, w_TX, gate, up, down, *, tunings: Tunings | None = None, p
       return moe_grouped_pallas.moe_grouped_pallas(x_TD, ids_TX, w_TX, gate, up, down, interpret=interpret,
                                                    tuning=pick(tunings, "grouped", gate.qtype), precision=precision)
   return moe_ref(x_TD, ids_TX, w_TX, gate, up, down, n_experts=n_experts)
+
+
+def routes_itself(T: int, router, gate, up, down, top_k: int) -> bool:
+  """Whether the decode kernels can route T tokens for themselves (`moe_routed`): packed experts on the Pallas
+  kernels, a float router the route kernel takes (ops.router_pallas.supported)."""
+  return (all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kernel in ("pallas", "interpret")
+          and not isinstance(router, QTensor) and len(gate.shape) == 3
+          and router_pallas.supported(T, router.shape[0], gate.shape[2], top_k)
+          and moe_pallas.supported(None, jax.ShapeDtypeStruct((T, top_k), jnp.int32), gate, up, down))
+
+
+def moe_routed(x_TD, logits_TE, bias_E, gate, up, down, *, routing: str, top_k: int, norm_topk: bool,
+               routed_scale: float, tunings: Tunings | None = None, x8=None, parts: bool = False):
+  """`moe` on the decode kernels with the routing made inside them from the router logits (moe_pallas's Route:
+  ops.router_pallas's top-k ops run by gate/up's programs; bias_E the sigmoid selection bias or None): one launch
+  fewer than routing first. Where `routes_itself`; x8 and parts as `moe`'s."""
+  has_bias = routing != "softmax" and bias_E is not None
+  route = moe_pallas.Route(routing, top_k, norm_topk, routed_scale, has_bias)
+  return moe_pallas.moe_pallas(x_TD, logits_TE, bias_E if has_bias else None, gate, up, down,
+                               interpret=gate.kernel == "interpret", tuning=pick(tunings, "moe", gate.qtype), x8=x8,
+                               parts=parts, route=route)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ops import dot8, quant, repack
+from ops import dot8, quant, repack, router_pallas
 from ops import qmatmul_pallas as qp
 from ops.tuning import fill
 
@@ -68,8 +68,32 @@ def _lead(lid_ref, e):
   return (e,) if lid_ref is None else (lid_ref[0], e)
 
 
+class Route(NamedTuple):
+  """Routing made by gate/up's programs themselves (static; Tunings.fuse "topk"): each program routes its pair's
+  token from the router logits with ops.router_pallas.route_row, and the programs of row tile 0 write the pairs'
+  ids and weights for down."""
+  routing: str
+  top_k: int
+  norm_topk: bool
+  routed_scale: float
+  has_bias: bool
+
+
+def _route_pair(l_ref, b_ref, route: Route, E: int, t, k):
+  """(expert id, weight) of pair (t, k): token t's routing, entry k."""
+  KP = 1 << (route.top_k - 1).bit_length()
+  ids, w = router_pallas.route_row(l_ref[t, :], b_ref[...] if route.has_bias else None, E=E, K=route.top_k, KP=KP,
+                                   softmax=route.routing == "softmax", norm_topk=route.norm_topk,
+                                   scale=route.routed_scale)
+  at = jax.lax.iota(I32, KP) == k
+  return jnp.sum(jnp.where(at, ids, 0)), jnp.sum(jnp.where(at, w, 0.0))
+
+
 def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_qtype, stacked, KS, natural,
-                   natural_h, skip, tile8, h8):
+                   natural_h, skip, tile8, h8, route, E):
+  if route is not None:                # ids_ref holds the router logits; the pairs' ids and weights are outputs
+    b_ref, refs = (refs[0], refs[1:]) if route.has_bias else (None, refs)
+    *refs, rid_ref, rw_ref = refs
   if tile8:
     xw_ref, dx_ref, xs_ref, tab_ref, *refs = refs
   else:
@@ -84,9 +108,18 @@ def _gateup_kernel(ids_ref, *refs, qtype, names, X, F, BN, S, nb, unroll, down_q
   n = len(names)
   G, U = dict(zip(names, w_refs[:n])), dict(zip(names, w_refs[n:]))
   p = pl.program_id(1)
-  e = ids_ref[p]
-  pre = _lead(lid_ref, jnp.maximum(e, 0) if skip else e)
   t = p // X
+  if route is None:
+    e = ids_ref[p]
+  else:
+    e, wp = _route_pair(ids_ref, b_ref, route, E, t, p % X)
+    first = (pl.program_id(0) == 0) & (pl.program_id(2) == 0)     # (read here: not inside a branch)
+
+    @pl.when(first)
+    def _():
+      rid_ref[p] = e
+      rw_ref[p] = wp
+  pre = _lead(lid_ref, jnp.maximum(e, 0) if skip else e)
   rows = jnp.minimum(pl.program_id(0) * BN + jax.lax.iota(I32, BN), F - 1)
 
   kid = pl.program_id(2) if KS > 1 else 0                         # (read here: not inside a branch)
@@ -192,12 +225,19 @@ def _cfg(kernel, qtype, rows, nb, tile):
   return qp.config(qtype, rows, nb, fill(tile, TUNING[kernel, qtype]))
 
 
-@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip", "parts"))
+@functools.partial(jax.jit, static_argnames=("gq", "dq", "D", "F", "interpret", "cg", "cd", "KS", "skip", "parts",
+                                             "route"))
 def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D, F, interpret, cg, cd, KS, skip,
-         parts):
-  T, X = ids_TX.shape
-  P = T * X
-  ids = ids_TX.reshape(P).astype(I32)
+         parts, route):
+  """With `route`, ids_TX is the router logits [T, E] and w_TX the selection bias [E] (or None)."""
+  if route is None:
+    (T, X), E = ids_TX.shape, 0
+    P = T * X
+    first = (ids_TX.reshape(P).astype(I32),)
+  else:
+    (T, E), X = ids_TX.shape, route.top_k
+    P = T * X
+    first = (ids_TX.astype(F32),) + ((w_TX.astype(F32),) if route.has_bias else ())
   stacked = layer is not None
   lid = () if layer is None else (jnp.asarray(layer, I32).reshape(1),)
   nbD, nbF = D // quant.GGML_TYPES[gq][0], F // quant.GGML_TYPES[dq][0]
@@ -205,7 +245,7 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
   nat_g, nat_d = qp.x_natural(cg, 1), qp.x_natural(cd, 1)     # one token (or pair) per program in both kernels
   gateup = functools.partial(_gateup_kernel, qtype=gq, names=names_g, X=X, F=F, BN=cg.BN, S=cg.S,
                              nb=nbD, unroll=cg.unroll, down_qtype=dq, stacked=stacked, KS=KS, natural=nat_g,
-                             natural_h=nat_d, skip=skip, h8=bool(cd.x8) and KS == 1,
+                             natural_h=nat_d, skip=skip, h8=bool(cd.x8) and KS == 1, route=route, E=E,
                              tile8=cg.x8 and functools.partial(dot8.TILES[gq], dot=dot8.dot_fn(cg.x8, interpret)))
   xin = dot8.x8_input(x_TD, gq, x8) if cg.x8 else (qp.x_input(x_TD.astype(F32), gq, nat_g),)
   if KS > 1:
@@ -213,11 +253,18 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
   elif cd.x8:                                    # h rounded in gate/up's epilogue (dot8.X8, flat)
     out_shape = (jax.ShapeDtypeStruct((P, F // 4), I32),) + (jax.ShapeDtypeStruct((P, F // 32), F32),) * 2
   else:
-    out_shape = jax.ShapeDtypeStruct((P, F), F32)
+    out_shape = (jax.ShapeDtypeStruct((P, F), F32),)
+  if route is not None:                          # the pairs' ids and weights, for down
+    out_shape += (jax.ShapeDtypeStruct((P,), I32), jax.ShapeDtypeStruct((P,), F32))
   gu = pl.pallas_call(
       gateup, grid=(pl.cdiv(F, cg.BN), P, KS), out_shape=out_shape,
       compiler_params=qp.compiler_params(cg), interpret=interpret, name=f"moe_gateup_{gq.lower()}",
-  )(ids, *xin, qp.table(gq), *lid, *gplanes, *uplanes)
+  )(*first, *xin, qp.table(gq), *lid, *gplanes, *uplanes)
+  if route is None:
+    ids, wts = first[0], w_TX.reshape(P).astype(F32)
+  else:
+    *gu, ids, wts = gu
+  gu = gu[0] if len(gu) == 1 else gu
   if KS > 1:                                     # XLA adds the partial sums, then makes h
     g, u = (functools.reduce(lambda a, b: a + b, [v[i] for i in range(KS)]) for v in gu)      # fixed order
     h = g / (1.0 + jnp.exp(-g)) * u
@@ -233,7 +280,7 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
   y = pl.pallas_call(
       down, out_shape=jax.ShapeDtypeStruct((P, D), F32), grid=(pl.cdiv(D, cd.BN), P),
       compiler_params=qp.compiler_params(cd), interpret=interpret, name=f"moe_down_{dq.lower()}",
-  )(ids, w_TX.reshape(P).astype(F32), *hin, qp.table(dq), *lid, *dplanes)
+  )(ids, wts, *hin, qp.table(dq), *lid, *dplanes)
   y = y.reshape(T, X, D)
   if parts:
     return y
@@ -244,7 +291,8 @@ def _moe(x_TD, ids_TX, w_TX, layer, gplanes, uplanes, dplanes, x8, *, gq, dq, D,
 
 
 def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: bool = False,
-               tuning: Tuning | None = None, skip: bool = False, x8: dot8.X8 | None = None, parts: bool = False):
+               tuning: Tuning | None = None, skip: bool = False, x8: dot8.X8 | None = None, parts: bool = False,
+               route: Route | None = None):
   """sum_k w[t, k] * down[e](silu(gate[e] x_t) * up[e] x_t), e = ids[t, k]; packed QTensor experts
   gate/up [E, F, D], down [E, D, F]; T <= 16. With `layer` (an int32 scalar, may be traced) the experts are
   stacked over layers, [L, E, F, D] / [L, E, D, F], and layer `layer` is used without slicing it out.
@@ -253,7 +301,13 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
   and its terms are 0. Off: the kernels are those without the branch. x8: x already rounded to 8 bits (by the norm
   kernel that made it, ops.rmsnorm_pallas), read by a gate/up tile with x8 instead of rounding x here; the float
   tiles ignore it. parts (static): the X weighted rows of each token unsummed, [T, X, D], for a consumer that adds
-  them itself in the same order (the next norm kernel, ops.rmsnorm_pallas's pieces)."""
+  them itself in the same order (the next norm kernel, ops.rmsnorm_pallas's pieces). route (static, a `Route`):
+  the kernels route for themselves, ids_TX being then the router logits [T, E] and w_TX the selection bias [E] (or
+  None): gate/up's programs pick their pairs' experts (the route kernel's ops) and hand ids and weights to down,
+  one launch fewer than ops.router_pallas's top-k kernel before this one."""
+  if route is not None and (skip or route.top_k > ids_TX.shape[1] or (w_TX is not None) != route.has_bias):
+    raise ValueError(f"moe_pallas: route {route} for logits {ids_TX.shape}, bias {w_TX is not None} and skip "
+                     f"{skip}, expected top_k <= E, the bias as route.has_bias says and no skip")
   g3, u3, d3 = (w if layer is None else w[0] for w in (gate, up, down))   # per-layer view, for the checks only
   if not supported(x_TD, ids_TX, g3, u3, d3) or len(gate.shape) != 3 + (layer is not None):
     raise ValueError(f"moe_pallas: {gate.qtype}/{up.qtype}/{down.qtype} {gate.shape} with {ids_TX.shape[0]} "
@@ -273,4 +327,4 @@ def moe_pallas(x_TD, ids_TX, w_TX, gate, up, down, *, layer=None, interpret: boo
                      f"expected gateup BN a multiple of 32 dividing F {F}, got BN {cg.BN}")
   return _moe(x_TD, ids_TX, w_TX, layer, tuple(gate.planes), tuple(up.planes), tuple(down.planes), cg.x8 and x8,
               gq=gate.qtype, dq=down.qtype, D=D, F=F, interpret=interpret, KS=ks, skip=bool(skip),
-              cg=cg, cd=cd, parts=bool(parts))
+              cg=cg, cd=cd, parts=bool(parts), route=route)

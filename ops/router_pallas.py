@@ -98,14 +98,23 @@ def _route_kernel(l_ref, *refs, E: int, K: int, KP: int, softmax: bool, has_bias
                   scale: float):
   b_ref, ids_ref, w_ref = refs if has_bias else (None, *refs)
   t = pl.program_id(0)
-  lg = l_ref[t, :]                                                             # [E]
+  ids, w = route_row(l_ref[t, :], b_ref[...] if has_bias else None, E=E, K=K, KP=KP, softmax=softmax,
+                     norm_topk=norm_topk, scale=scale)
+  ids_ref[t, :] = ids
+  w_ref[t, :] = w
+
+
+def route_row(lg, bias, *, E: int, K: int, KP: int, softmax: bool, norm_topk: bool, scale: float):
+  """One token's routing inside a kernel: (ids [KP] int32, weights [KP] float32; entries from K on are 0) from its
+  logits [E] and the selection bias (or None): the route kernel's ops, also run by a MoE kernel that routes for
+  itself (ops.moe_pallas, Tunings.fuse "topk")."""
   if softmax:
     ex = jnp.exp(lg - jnp.max(lg))
     probs = ex / jnp.sum(ex)
     select = probs
   else:
     probs = 1.0 / (1.0 + jnp.exp(-lg))
-    select = probs + b_ref[...] if has_bias else probs
+    select = probs + bias if bias is not None else probs
   e_iota = jax.lax.broadcasted_iota(jnp.int32, (E,), 0)
   k_iota = jax.lax.broadcasted_iota(jnp.int32, (KP,), 0)
   ids = jnp.zeros((KP,), jnp.int32)
@@ -120,8 +129,7 @@ def _route_kernel(l_ref, *refs, E: int, K: int, KP: int, softmax: bool, has_bias
     w = w / jnp.maximum(jnp.sum(w), NORM_EPS)
   if scale not in (0.0, 1.0):
     w = w * scale
-  ids_ref[t, :] = ids
-  w_ref[t, :] = w
+  return ids, w
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))

@@ -27,7 +27,9 @@ ATTENTION_IMPLS = ("ref", "pallas", "interpret")
 #   "residual"  a block's FFN output (the routed experts' X rows unsummed, a shared expert's) is added to the
 #               residual stream by the next norm kernel (ops.rmsnorm_pallas's pieces) instead of an XLA launch
 #   "router"    a MoE layer's FFN norm and its router's logits in one kernel (ops.norm_router_pallas)
-FUSIONS = ("residual", "router")
+#   "topk"      the routed experts' gate/up programs route for themselves from the logits (ops.moe.moe_routed)
+#               instead of ops.router_pallas's top-k kernel (every expert resident, one device)
+FUSIONS = ("residual", "router", "topk")
 
 
 def fill(given, table_value):

@@ -89,6 +89,10 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
     dn = QTensor.from_gguf(quant.random_blocks(mq, (E, D, F), rng, scale=1e-2), mq, F).replace(kernel=kern)
     report(f"moe_pallas {mq} E {E} F {F} top {cfg.top_k}",
            lambda x, i, w: moe_pallas.moe_pallas(x, i, w, g, g, dn, interpret=cpu), x, ids, wts)
+    lg = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+    route = moe_pallas.Route(cfg.routing, cfg.top_k, cfg.norm_topk, cfg.routed_scale, False)
+    report(f"moe_pallas {mq} routing for itself (Tunings.fuse topk)",
+           lambda x, lg: moe_pallas.moe_pallas(x, lg, None, g, g, dn, interpret=cpu, route=route), x, lg)
     if a.x8 and mq in dot8.TILES:
       t8 = moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(x8=a.x8))
       report(f"moe_pallas {mq} E {E} F {F} top {cfg.top_k} x8 {a.x8}",

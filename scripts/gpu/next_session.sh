@@ -11,7 +11,7 @@
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
 #   x8norm    issue 27: x8 with the rounding in the norm kernel, the step A/B for both expert types, its rows'
 #             invariance, a trace (~5 min). FIRST: it decides x8's default (PERF "Integer dots on 8-bit x on the GPU")
-#   fuse      issue 27 item 3: the step with the launch fusions (Tunings.fuse residual, router), both expert types,
+#   fuse      issue 27 item 3: the step with the launch fusions (Tunings.fuse residual, router, topk), both expert types,
 #             interleaved, alone and on x8; the fused kernels' rows' invariance (~7 min); then PART=fusetrace (a
 #             trace per variant, ~4 min). Right after x8norm: a fusion that measures no gain is deleted
 #   x8anchor  issue 27: llama.cpp and ours with and without x8 on one 30B file at 1K, same call (~6 min; carry .whl
@@ -77,18 +77,18 @@ x8norm)  # issue 27: x8 with the rounding in the RMSNorm kernel (commit 31c9947)
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8norm-invariance.txt | grep -E "x8|DIFF"
   GX=on/x8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
 fuse)  # issue 27 item 3: a block's FFN sum added by the next norm kernel (fuse=residual: -1 launch a layer), the FFN
-  # norm and the router logits in one kernel (fuse=router: -1 more), alone and on x8 (commit 5f70317); the
-  # fused kernels' rows and a 4-layer trunk's verify pass against its steps; a trace per variant (596 launches
-  # a step expected for the float Q4_K step, 500 with both fusions)
-  F=fuse=residual+router
+  # norm and the router logits in one kernel (router: -1 more), gate/up routing for itself (topk: -1 more), alone
+  # and on x8; the fused kernels' rows and a 4-layer trunk's verify pass against its steps (~8 min)
+  F=fuse=residual+router+topk
   for x in IQ3_S Q4_K; do
-    timeout ${TS:-200} $S30 --experts $x --glue on,on/fuse=residual,on/$F,on/x8=dp4a,on/x8=dp4a/$F --interleave \
+    timeout ${TS:-220} $S30 --experts $x --glue on,on/fuse=residual,on/fuse=residual+router,on/$F,on/x8=dp4a/$F --interleave \
       --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/fuse-step.log | tail -8
   done
   timeout ${TI:-150} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 4 --moe_types IQ3_S \
     --glue on,on/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/fuse-invariance.txt | grep -E "fuse|trunk|DIFF" ;;
-fusetrace)  # the traces of PART=fuse's variants (launches and kernel time a step, per kernel)
-  GX=on,on/fuse=residual+router,on/x8=dp4a/fuse=residual+router TX=${TX:-120} PART=x8trace \
+fusetrace)  # the traces of PART=fuse's variants (launches and kernel time a step, per kernel: 596 for the float
+  # Q4_K step at a8c03c3, 452 expected with the three fusions)
+  GX=on,on/fuse=residual+router+topk,on/x8=dp4a/fuse=residual+router+topk TX=${TX:-120} PART=x8trace \
     bash scripts/gpu/next_session.sh ;;
 x8anchor)  # issue 27 items 1-2 with x8: llama.cpp (../shared/anchor's tarball and llama_bench.py copied into .anchor/,
   # carried) and ours with and without x8 on one 30B file at 1K (EXPERTS=Q4_K for the other expert type); ~6 min

@@ -368,7 +368,7 @@ t = glue.glue_options("on/px8=int")[1]
 assert t.pick("qmatmul", "Q8_0").x8 == "int" and t.pick("qmatmul", "Q6_K").x8 is None and t.moe is None
 assert glue.glue_options("on/tier=16384")[1].tier_block == 16384 and glue.glue_options("on")[1].tier_block is None
 assert glue.glue_options("on/tier=4096/span=4096")[1].tier_span == 4096
-assert glue.glue_options("on/fuse=residual")[1].fuse == ("residual",) and glue.glue_options("on")[1].fuse == ()
+assert glue.glue_options("on/fuse=residual+topk")[1].fuse == ("residual", "topk") and glue.glue_options("on")[1].fuse == ()
 o = step.cell_options("on", "bf16x2/16/4/1")
 assert o.tunings.attention_impl == "pallas"
 assert o.tunings.attention == attention_pallas.Tuning(bk=16, num_warps=4, num_stages=1, dots="bf16x2")
@@ -383,7 +383,7 @@ for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on
 cfg = preset("tiny-qwen3moe")
 params = fuse_qkv(random_params(cfg, types=quant_policy("Q4_K", "Q8_0")))
 ring = lambda: step.fill_ring(KVRing.create(cfg.n_layers, 256, cfg.n_kv_heads, cfg.head_dim, "int8", block=32), 40)
-opts = step.cell_options("on/rope=1/xnat=Q4_K:4+Q8_0:4/qmm=64/fuse=residual", "bf16x2/16/4/1")
+opts = step.cell_options("on/rope=1/xnat=Q4_K:4+Q8_0:4/qmm=64/fuse=residual+router+topk", "bf16x2/16/4/1")
 opts = opts.replace(tunings=opts.tunings.replace(attention_impl="interpret"))
 run = lambda p, o: np.asarray(api.decode_step(p, jnp.int32(7), api.ModelState(ring()), cfg=cfg, options=o)[0])
 got = run(with_kernels(params, "interpret"), opts)

@@ -6,7 +6,9 @@ were and takes launches out of a decode step.
   expert) fewer [T, D] adds a MoE layer.
 - "router": a MoE layer's FFN norm makes the router's logits (ops.norm_router_pallas): one kernel where the norm
   and the logits kernels were, the logits those of the unfused model to float32 rounding (the norm's reduction is
-  another program's), and with the experts on 8-bit x the fused kernel makes the rounding."""
+  another program's), and with the experts on 8-bit x the fused kernel makes the rounding.
+- "topk": the routed experts' gate/up routes for itself (ops.moe.moe_routed): no top-k kernel, the logits bitwise
+  the unfused model's (the same ops on the same logits)."""
 from __future__ import annotations
 
 import jax
@@ -73,15 +75,23 @@ def test_ffn_norm_makes_the_router_logits(arch, monkeypatch):
   monkeypatch.setattr(dot8, "quantize_x", lambda x: calls.append(x.shape) or real(x))
   outs = {}
   for tunings, T in ((Tunings(), 1), (Tunings(), 4), (x8, 1)):
-    fused = Options(tunings=tunings.replace(fuse=("router", "residual")))
+    fused = Options(tunings=tunings.replace(fuse=("router", "residual", "topk")))
     got, want = (np.asarray(jax.jit(step(o))(params, toks[8:8 + T], st)) for o in (fused, Options(tunings=tunings)))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
     outs[tunings == x8, T] = got
   names, plain = (_kernel_names(step(o), params, toks[8:9], st)
-                  for o in (Options(tunings=Tunings(fuse=("router",))), Options()))
+                  for o in (Options(tunings=Tunings(fuse=("router", "topk"))), Options()))
   assert names.count("norm_router_logits") == n_moe
   assert plain.count("router_logits") - names.count("router_logits") == n_moe
   assert plain.count("rms_norm") - names.count("rms_norm") == n_moe
+  assert plain.count("router_topk") == n_moe and "router_topk" not in names
   assert not calls                  # with x8 the fused kernel rounded the experts' x: XLA never did
   err = np.linalg.norm(outs[True, 1] - outs[False, 1]) / np.linalg.norm(outs[False, 1])
   assert 1e-6 < err < 0.2, err      # and x8 was on
+
+
+def test_experts_route_for_themselves_bitwise():
+  m, params, toks, st, step, n_moe = _setup("qwen3moe")
+  got, want = (np.asarray(jax.jit(step(o))(params, toks[8:12], st))
+               for o in (Options(tunings=Tunings(fuse=("topk",))), Options()))
+  np.testing.assert_array_equal(got, want)

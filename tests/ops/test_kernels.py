@@ -246,6 +246,32 @@ def test_moe_skip_pairs_with_a_negative_id(gq, dq, ks):
   assert _relerr(y, moe_ops.moe_ref(x, at0, jnp.asarray(w), g, u, d)) < TOL_MOE
 
 
+@pytest.mark.parametrize("routing,tuning", [
+    ("softmax", None), ("sigmoid", moe_pallas.Tuning(ks=2)),
+    ("softmax", moe_pallas.Tuning(gateup=QMM(BN=32, programs=0, x8="int"), down=QMM(x8="int")))])
+def test_moe_routes_for_itself_as_the_route_kernel(routing, tuning):
+  """Route (Tunings.fuse "topk"): gate/up's programs route from the logits with the route kernel's ops; the result
+  is bitwise the route kernel's ids and weights fed to the same kernels (split K and 8-bit h too), and the route
+  kernel's top-k matches lax.top_k on these logits; a mismatched bias is a one-line error."""
+  from ops import router_pallas
+  rng = np.random.default_rng(23)
+  E, F, D, K, B = 8, 256, 512, 3, 3
+  g, u, d = _random_experts(rng, "IQ3_S", "Q8_0", E, F, D)
+  x = jnp.asarray(rng.standard_normal((B, D)).astype(np.float32))
+  logits = jnp.asarray(rng.standard_normal((B, E)).astype(np.float32))
+  bias = jnp.asarray(rng.standard_normal(E).astype(np.float32) * 0.1) if routing == "sigmoid" else None
+  kw = dict(routing=routing, top_k=K, norm_topk=True, routed_scale=1.5)
+  ids, w = router_pallas.topk_pallas(logits, bias, interpret=True, **kw)
+  want_ids, _ = router_pallas.route_ref(logits, bias, **kw)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+  want = moe_pallas.moe_pallas(x, ids, w, g, u, d, interpret=True, tuning=tuning)
+  route = moe_pallas.Route(routing, K, True, 1.5, bias is not None)
+  got = moe_pallas.moe_pallas(x, logits, bias, g, u, d, interpret=True, tuning=tuning, route=route)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match="expected top_k <= E, the bias"):
+    moe_pallas.moe_pallas(x, logits, None if bias is not None else logits[0], g, u, d, interpret=True, route=route)
+
+
 def _np_round32(x):
   """numpy's x8 rounding of x [T, K] float32: per 32 values dx = max|x| * (1 / 127) (1 for zeros), q = x / dx
   rounded half away from zero (C's roundf): (q int8 [T, K/32, 32], dx [T, K/32])."""

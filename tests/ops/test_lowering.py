@@ -71,6 +71,11 @@ def test_moe_stacked_and_split_k_lower(platform):
   txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(x, i, w, g, u, d, layer=jnp.int32(2),
                                                                         tuning=ov), x, ids, w, g, g, d)
   assert txt.count("__gpu$xla.gpu.triton") == 2
+  lg, b = jax.ShapeDtypeStruct((1, 128), jnp.float32), jax.ShapeDtypeStruct((128,), jnp.float32)
+  route = moe_pallas.Route("sigmoid", 8, True, 2.5, True)           # gate/up routes for itself (fuse "topk")
+  txt = _lower(platform, lambda x, lg, b, g, u, d: moe_pallas.moe_pallas(x, lg, b, g, u, d, layer=jnp.int32(2),
+                                                                         route=route), x, lg, b, g, g, d)
+  assert txt.count("__gpu$xla.gpu.triton") == 2
   g, d = _abstract_qtensor("IQ3_S", (64, 768, 2048)), _abstract_qtensor("Q4_K", (64, 2048, 768))
   for ks in (1, 4):                    # expert parallel: pairs with a negative id skipped (a branch per program)
     txt = _lower(platform, lambda x, i, w, g, u, d: moe_pallas.moe_pallas(
