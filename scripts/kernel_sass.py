@@ -4,7 +4,7 @@ mix for sm_90, from the Triton IR that Pallas emits on this CPU-only jaxlib.
 Two steps, two Python environments (jaxlib does not ship Triton's Python compiler; the pip `triton` wheel does,
 with ptxas and cuobjdump inside it):
 
-  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention,dp4a] [--precision P: f32 | bf16 (default,
+  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention,dp4a,fuse] [--precision P: f32 | bf16 (default,
       the GPU's)]   # project venv: DIR/<kernel>.ttir
   TRITON_ALWAYS_COMPILE=1 /path/to/venv-with-triton/bin/python scripts/kernel_sass.py compile DIR
 
@@ -85,6 +85,27 @@ def _cases(names, precision="bf16"):
     for x8 in (False, True):
       yield (f"rmsnorm_x8{x8}", functools.partial(lambda x, w, r, x8: rmsnorm_pallas.rms_norm_pallas(
           x, w, 1e-6, r, x8=x8), x8=x8), (x1, jax.ShapeDtypeStruct((2048,), jnp.float32), x1))
+  if "fuse" in names:                 # issue 27 item 3: the kernels with a neighbour's work (Tunings.fuse), B = 1
+    from ops import moe_pallas, norm_router_pallas, qmatmul_pallas, rmsnorm_pallas
+    x1, wD = jax.ShapeDtypeStruct((1, 2048), jnp.float32), jax.ShapeDtypeStruct((2048,), jnp.float32)
+    parts = jax.ShapeDtypeStruct((1, 8, 2048), jnp.float32)
+    yield ("rmsnorm_pieces", lambda x, w, p, r: rmsnorm_pallas.rms_norm_pallas(x, w, 1e-6, (p, r)),
+           (x1, wD, parts, x1))
+    wr = jax.ShapeDtypeStruct((128, 2048), jnp.float32)
+    for x8 in (False, True):
+      yield (f"norm_router_x8{x8}", functools.partial(lambda x, r, w, wr, x8: norm_router_pallas.norm_logits_pallas(
+          x, r, w, wr, 1e-6, x8=x8), x8=x8), (x1, x1, wD, wr))
+    lg, ib, wb = (jax.ShapeDtypeStruct((1, 128), jnp.float32), jax.ShapeDtypeStruct((1, 8), jnp.int32),
+                  jax.ShapeDtypeStruct((1, 8), jnp.float32))
+    route = moe_pallas.Route("softmax", 8, True, 1.0, False)
+    for q in ("IQ3_S", "Q4_K"):
+      g, d = _abstract_qtensor(q, (128, 768, 2048)), _abstract_qtensor(q, (128, 2048, 768))
+      for x8 in (None, "dp4a"):
+        t = moe_pallas.Tuning(gateup=qmatmul_pallas.Tuning(x8=x8))
+        yield (f"moe_{q}_x8{x8}_ids", functools.partial(lambda x, i, w, g, u, d, t: moe_pallas.moe_pallas(
+            x, i, w, g, u, d, tuning=t), t=t), (x1, ib, wb, g, g, d))
+        yield (f"moe_{q}_x8{x8}_route", functools.partial(lambda x, lg, g, u, d, t: moe_pallas.moe_pallas(
+            x, lg, None, g, u, d, tuning=t, route=route), t=t), (x1, lg, g, g, d))
   if "grouped" in names:
     ids = jax.ShapeDtypeStruct((1024, 8), jnp.int32)
     wk = jax.ShapeDtypeStruct((1024, 8), jnp.float32)
