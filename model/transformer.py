@@ -238,10 +238,11 @@ class MoE(nn.Module):
   glue: str = "ref"        # routing kernels: "pallas" | "interpret" | "ref" (glue_impl)
 
   @nn.compact
-  def __call__(self, x_TD, experts=None, x8=None, parts: bool = False, logits=None):
+  def __call__(self, x_TD, experts=None, x8=None, parts: bool = False, logits=None, gate_logit=None):
     """(y, experts): y [T, D], or with `parts` the pieces of y for the next norm kernel to add (a tuple: the routed
-    experts' X weighted rows [T, X, D] where the decode kernel ran, else their sum, then the shared expert's).
-    logits: x's router logits, made by the norm before (`norm_routes`): only the top-k runs here."""
+    experts' X weighted rows [T, X, D] where the decode kernel ran, else their sum, then the shared expert's, a
+    `Gated` piece where its gate scales it). logits, gate_logit [T]: x's router logits and shared-expert gate logit,
+    made by the norm before (`norm_routes`): only the top-k runs here."""
     c = self.cfg
     D, E, F = c.d_model, c.n_experts, c.d_ff_expert
     router = _param(self, "router", _init, (E, D))
@@ -258,10 +259,14 @@ class MoE(nn.Module):
         ys = swiglu_mlp(self, x_TD, "_shexp", D, c.d_ff_shared)
         if c.shared_expert_gate:
           g = _param(self, "shexp_gate", _init, (D,))          # qwen2moe, hybrid: one gate logit per token
-          if self.glue != "ref" and x_TD.shape[0] <= router_pallas.MAX_T and D & (D - 1) == 0:   # batch invariant
+          if gate_logit is not None:
+            gl = gate_logit
+          elif self.glue != "ref" and x_TD.shape[0] <= router_pallas.MAX_T and D & (D - 1) == 0:  # batch invariant
             gl = router_pallas.logits_pallas(x_TD, g[None], interpret=self.glue == "interpret")[:, 0]
           else:
             gl = x_TD.astype(jnp.float32) @ g.astype(jnp.float32)
+          if parts:                                # the next norm kernel scales it
+            return pieces + (rmsnorm_pallas.Gated(ys, gl),)
           ys = ys * jax.nn.sigmoid(gl)[:, None]
         pieces += (ys,)
       return pieces if parts else functools.reduce(jnp.add, pieces)
@@ -356,14 +361,16 @@ def _proj_wants_x8(block: nn.Module, T: int, recurrent: bool) -> bool:
 
 
 def norm_routes(block: nn.Module, T: int, glue: str) -> bool:
-  """Whether this MoE block's FFN norm also makes the router's logits (Tunings.fuse "router",
-  ops.norm_router_pallas): where the route kernels run (glue on, a float router, the kernels' shapes), the model's
-  own MoE on one device."""
+  """Whether this MoE block's FFN norm also makes the router's logits and a shared expert's gate logit
+  (Tunings.fuse "router", ops.norm_router_pallas): where the route kernels run (glue on, a float router and gate,
+  the kernels' shapes), the model's own MoE on one device."""
   o, c = block.opts, block.cfg
   if glue == "ref" or "router" not in (pick(o.tunings, "fuse") or ()) or o.mesh is not None or o.layer_ops:
     return False
-  router = block.variables.get("params", {}).get("ffn", {}).get("router")
+  ffn = block.variables.get("params", {}).get("ffn", {})
+  router, gate = ffn.get("router"), ffn.get("shexp_gate")
   return (router is not None and not isinstance(router, QTensor) and c.top_k <= c.n_experts
+          and (not c.shared_expert_gate or (gate is not None and not isinstance(gate, QTensor)))
           and norm_router_pallas.supported(T, c.n_experts, c.d_model))
 
 
@@ -420,17 +427,19 @@ class Block(nn.Module):
     moe_layer = c.is_moe_layer(self.index)
     want8 = moe_layer and glue != "ref" and _moe_wants_x8(self, x_TD.shape[0])
     ffn_norm = _param(self, "ffn_norm", _ones, (c.d_model,))
-    logits = None
+    logits = gl = None
     if moe_layer and norm_routes(self, x_TD.shape[0], glue):
-      router = self.variables["params"]["ffn"]["router"]
-      x, h, logits, *h8 = norm_router_pallas.norm_logits_pallas(
-          x_TD, a, ffn_norm, router, c.rms_eps, x8=want8, interpret=glue == "interpret",
-          tuning=pick(o.tunings, "router"))
+      ffn = self.variables["params"]["ffn"]
+      extra = ffn["shexp_gate"][None] if c.shared_expert_gate else None
+      x, h, logits, *rest = norm_router_pallas.norm_logits_pallas(
+          x_TD, a, ffn_norm, ffn["router"], c.rms_eps, x8=want8, interpret=glue == "interpret",
+          tuning=pick(o.tunings, "router"), extra_ND=extra)
+      h8, gl = (rest[:1] if want8 else []), (rest[-1][:, 0] if extra is not None else None)
     else:
       x, h, *h8 = add_rms_norm(x_TD, ffn_norm, c.rms_eps, res_TD=a, impl=glue, tuning=nt, x8=want8)
     if moe_layer:
       y, experts = MoE(c, o, self.index, glue, name="ffn")(h, experts, x8=h8[0] if h8 else None, parts=self.defer,
-                                                          logits=logits)
+                                                          logits=logits, gate_logit=gl)
     else:
       y = DenseMLP(c, o, name="ffn")(h)
       y = (y,) if self.defer else y

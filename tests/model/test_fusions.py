@@ -1,12 +1,13 @@
 """Work moved into a neighbouring kernel (ops.tuning.FUSIONS, `Tunings.fuse`) leaves the model's numbers as they
 were and takes launches out of a decode step.
 - "residual": a block's FFN output goes to the next norm kernel in pieces (the routed experts' X rows unsummed,
-  the shared expert's output), which adds them to the residual stream in the order XLA did; a one-token step and
-  a 4-token verify pass give the logits of the unfused model, and the step's jaxpr has X (+ 1 with a shared
-  expert) fewer [T, D] adds a MoE layer.
-- "router": a MoE layer's FFN norm makes the router's logits (ops.norm_router_pallas): one kernel where the norm
-  and the logits kernels were, the logits those of the unfused model to float32 rounding (the norm's reduction is
-  another program's), and with the experts on 8-bit x the fused kernel makes the rounding.
+  the shared expert's output and its gate's logit), which adds them to the residual stream in the order XLA did; a
+  one-token step and a 4-token verify pass give the logits of the unfused model, and the step's jaxpr has X (+ 1
+  with a shared expert) fewer [T, D] adds a MoE layer, and no gate product.
+- "router": a MoE layer's FFN norm makes the router's logits and a shared expert's gate logit
+  (ops.norm_router_pallas): one kernel where the norm and the logits kernels were, the logits those of the unfused
+  model to float32 rounding (the norm's reduction is another program's), and with the experts on 8-bit x the
+  fused kernel makes the rounding.
 - "topk": the routed experts' gate/up routes for itself (ops.moe.moe_routed): no top-k kernel, the logits bitwise
   the unfused model's (the same ops on the same logits)."""
 from __future__ import annotations
@@ -65,6 +66,9 @@ def test_residual_goes_to_the_next_norm_kernel(arch):
                         for o in (fused, Options()))
     shared = bool(m.cfg.n_shared_experts or m.cfg.shared_expert_gate)
     assert n_plain - n_fused == n_moe * (m.cfg.top_k + shared), (n_plain, n_fused)   # X - 1 (+ 1) + the stream's
+    muls = [_eqn_shapes(step(o), params, toks[8:8 + T], st).count(("mul", (T, m.cfg.d_model)))
+            for o in (fused, Options())]
+    assert muls[1] - muls[0] == n_moe * m.cfg.shared_expert_gate, muls   # the gate's product: the norm kernel's
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
@@ -82,7 +86,7 @@ def test_ffn_norm_makes_the_router_logits(arch, monkeypatch):
   names, plain = (_kernel_names(step(o), params, toks[8:9], st)
                   for o in (Options(tunings=Tunings(fuse=("router", "topk"))), Options()))
   assert names.count("norm_router_logits") == n_moe
-  assert plain.count("router_logits") - names.count("router_logits") == n_moe
+  assert plain.count("router_logits") - names.count("router_logits") == n_moe * (1 + m.cfg.shared_expert_gate)
   assert plain.count("rms_norm") - names.count("rms_norm") == n_moe
   assert plain.count("router_topk") == n_moe and "router_topk" not in names
   assert not calls                  # with x8 the fused kernel rounded the experts' x: XLA never did

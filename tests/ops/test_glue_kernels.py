@@ -94,26 +94,37 @@ def test_rms_norm_kernel_adds_the_residual_from_pieces():
   np.testing.assert_array_equal(np.asarray(ref_s), want_s)
   alone = _rows_alone(lambda *a: f(*a)[1], x, routed, shared)
   np.testing.assert_array_equal(y, np.concatenate(alone))
+  # the shared expert as a Gated piece: scaled by sigmoid(logit) per token in the kernel, against float64
+  gl = RNG.standard_normal(T).astype(np.float32)
+  g = jax.jit(lambda x, a, b, l: rmsnorm_pallas.rms_norm_pallas(x, jnp.asarray(w), 1e-6, (a, rmsnorm_pallas.Gated(
+      b, l)), interpret=True))
+  want = x + (r.astype(np.float64) + shared / (1 + np.exp(-gl.astype(np.float64)))[:, None])
+  for impl_s in (g(x, routed, shared, gl)[0], rmsnorm_pallas.add_rms_norm(
+      jnp.asarray(x), jnp.asarray(w), 1e-6, (routed, rmsnorm_pallas.Gated(shared, gl)), impl="ref")[0]):
+    np.testing.assert_allclose(np.asarray(impl_s), want, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("tuning", [None, router_pallas.Tuning(programs=8, dc=64, warps=2)])
 def test_norm_router_kernel(tuning):
-  """ops.norm_router_pallas: the stream's sum bitwise x + res, the norm and the logits against float64, the 8-bit
-  rounding bitwise XLA's of the kernel's own norm, and each row as computed alone (logits included)."""
+  """ops.norm_router_pallas: the stream's sum bitwise x + res; the norm, the logits and an extra row's against
+  float64; the 8-bit rounding bitwise XLA's of the kernel's own norm, and each row as computed alone (logits
+  included)."""
   from ops import dot8, norm_router_pallas
   T, D, E = 3, 256, 64
   x = RNG.standard_normal((T, D)).astype(np.float32) * 3
   r = RNG.standard_normal((T, D)).astype(np.float32)
   w = (1 + 0.1 * RNG.standard_normal(D)).astype(np.float32)
   wr = (RNG.standard_normal((E, D)) * 0.05).astype(np.float32)
+  wg = (RNG.standard_normal((1, D)) * 0.05).astype(np.float32)         # a shared expert's gate row, program 0's
   f = jax.jit(lambda x, r: norm_router_pallas.norm_logits_pallas(x, r, w, wr, 1e-6, x8=True, interpret=True,
-                                                                  tuning=tuning))
-  s, y, logits, x8 = f(x, r)
+                                                                  tuning=tuning, extra_ND=wg))
+  s, y, logits, x8, gate = f(x, r)
   np.testing.assert_array_equal(np.asarray(s), x + r)
   s64 = (x + r).astype(np.float64)
   y64 = s64 / np.sqrt(np.mean(s64 * s64, axis=1, keepdims=True) + 1e-6) * w
   np.testing.assert_allclose(np.asarray(y), y64, rtol=2e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(logits), y64 @ wr.astype(np.float64).T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(gate), y64 @ wg.astype(np.float64).T, rtol=1e-5, atol=1e-5)
   for a, b in zip(x8, dot8.quantize_x(y)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   alone = _rows_alone(lambda *a: f(*a)[1:3], x, r)
