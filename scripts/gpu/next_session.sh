@@ -9,6 +9,9 @@
 # "The seed's experiment at 128K"; the numbered parts below are earlier sessions' measurements, kept as the
 # commands their PERF sections cite). Run a ring's calls back to back: a warm machine keeps .jaxcache between calls
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
+#   x8fuse    issue 27: x8norm's and fuse's step cells in one call, both expert types (7 cells each, interleaved),
+#             and the rows' invariance with both (~9.5 min). FIRST when the budget is one session's 30 min: it decides
+#             x8's default and each fusion's fate; then fusetrace, fusehyb
 #   x8norm    issue 27: x8 with the rounding in the norm kernel, the step A/B for both expert types, its rows'
 #             invariance, a trace (~5 min). FIRST: it decides x8's default (PERF "Integer dots on 8-bit x on the GPU")
 #   fuse      issue 27 item 3: the step with the launch fusions (Tunings.fuse residual, router, topk), both expert types,
@@ -78,6 +81,15 @@ x8norm)  # issue 27: x8 with the rounding in the RMSNorm kernel (commit 31c9947)
   timeout ${TI:-100} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 1 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8norm-invariance.txt | grep -E "x8|DIFF"
   GX=on/x8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
+x8fuse)  # x8norm and fuse in one call (commit 8146bb3): float, x8, +dx8, +px8, the fusions alone and on x8 (+dx8)
+  F=fuse=residual+router+topk
+  for x in IQ3_S Q4_K; do
+    timeout ${TS:-230} $S30 --experts $x --glue on,on/x8=dp4a,on/x8=dp4a/dx8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a,on/$F,on/x8=dp4a/$F,on/x8=dp4a/dx8=dp4a/$F \
+      --interleave --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/x8fuse-step.log | tail -10
+  done
+  timeout ${TI:-100} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 4 --proj_types Q8_0 \
+    --moe_types IQ3_S,Q4_K --x8 dp4a --glue on/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8fuse-invariance.txt \
+    | grep -E "x8|fuse|trunk|DIFF" ;;
 fuse)  # issue 27 item 3: a block's FFN sum added by the next norm kernel (fuse=residual: -1 launch a layer), the FFN
   # norm and the router logits in one kernel (router: -1 more), gate/up routing for itself (topk: -1 more), alone
   # and on x8; the fused kernels' rows and a 4-layer trunk's verify pass against its steps (~8 min)
