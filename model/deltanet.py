@@ -35,6 +35,7 @@ from ops import gated_delta as gd
 from ops.gated_delta_step_pallas import MAX_T as STEP_MAX_T
 from ops.layers import linear, rms_norm
 from ops.rmsnorm_pallas import rms_norm_pallas
+from ops.tuning import pick
 
 CHUNK = 64          # tokens per intra-chunk block of the prefill form
 
@@ -92,9 +93,12 @@ class GatedDeltaNet(nn.Module):
     norm = _param(self, "norm", _ones, (Dv,))
     if impl != "ref" and self.opts.glue and T <= STEP_MAX_T and Dv & (Dv - 1) == 0:
       # decode and verify: one program per (token, head) row, the same sums whatever T is (batch invariance)
-      o = rms_norm_pallas(o_THvDv.reshape(T * Hv, Dv), norm, c.rms_eps, interpret=impl == "interpret")
+      # (Tunings.fuse "gated_norm": the silu(z) gate in the same program)
+      z = z_THvDv.reshape(T * Hv, Dv) if "gated_norm" in (pick(self.opts.tunings, "fuse") or ()) else None
+      o = rms_norm_pallas(o_THvDv.reshape(T * Hv, Dv), norm, c.rms_eps, interpret=impl == "interpret", gate_TD=z)
       o = o.reshape(T, Hv, Dv)
+      if z is None:
+        o = o * gd.silu(z_THvDv.astype(jnp.float32))
     else:
-      o = rms_norm(o_THvDv, norm, c.rms_eps)
-    o = o * gd.silu(z_THvDv.astype(jnp.float32))
+      o = rms_norm(o_THvDv, norm, c.rms_eps) * gd.silu(z_THvDv.astype(jnp.float32))
     return cache, lin(o.reshape(T, Hv * Dv), _param(self, "wo", _init, (D, Hv * Dv)))

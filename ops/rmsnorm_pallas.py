@@ -59,9 +59,10 @@ def sigmoid(v):
   return 1.0 / (1.0 + jnp.exp(-v))
 
 
-def _kernel(x_ref, w_ref, *refs, eps: float, parts: tuple, x8: bool):
+def _kernel(x_ref, w_ref, *refs, eps: float, parts: tuple, x8: bool, gated: bool):
   refs = list(refs)
   r_refs = [(refs.pop(0), refs.pop(0)) if J == "gated" else (refs.pop(0), None) for J in parts]
+  z_ref = refs.pop(0) if gated else None
   s_ref = refs.pop(0) if parts else None
   y_ref = refs.pop(0)
   t = pl.program_id(0)
@@ -75,6 +76,9 @@ def _kernel(x_ref, w_ref, *refs, eps: float, parts: tuple, x8: bool):
     x = x + r
     s_ref[t, :] = x
   y = norm_row(x, w_ref[...], eps)
+  if gated:                                         # a gated norm: norm(x) * silu(z) (ops.gated_delta.silu's ops)
+    z = z_ref[t, :]
+    y = y * (z / (1.0 + jnp.exp(-z)))
   y_ref[t, :] = y
   if x8:
     write_x8(*refs, t, y)
@@ -127,7 +131,9 @@ def residual_sum(res):
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "tuning", "x8"))
 def rms_norm_pallas(x_TD, w_D, eps: float, res_TD=None, *, interpret: bool = False, tuning: Tuning | None = None,
-                    x8: bool = False):
+                    x8: bool = False, gate_TD=None):
+  """The kernel (see add_rms_norm); gate_TD: the norm is multiplied by silu(gate) in the same program (a Gated
+  DeltaNet layer's output norm, `Tunings.fuse` "gated_norm")."""
   T, D = x_TD.shape
   t = fill(tuning, TUNING)
   residual = res_TD is not None
@@ -138,8 +144,10 @@ def rms_norm_pallas(x_TD, w_D, eps: float, res_TD=None, *, interpret: bool = Fal
   if x8:
     out += x8_shapes(T, D)
   parts = tuple("gated" if isinstance(r, Gated) else r.shape[1] for r in pieces)
-  outs = pl.pallas_call(functools.partial(_kernel, eps=eps, parts=parts, x8=x8), out_shape=out, grid=(T,),
-                        compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=1),
+  gated = gate_TD is not None
+  args += [gate_TD.astype(jnp.float32)] if gated else []
+  outs = pl.pallas_call(functools.partial(_kernel, eps=eps, parts=parts, x8=x8, gated=gated), out_shape=out,
+                        grid=(T,), compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=1),
                         interpret=interpret, name="rms_norm")(*args)
   n = 2 if residual else 1
   rounded = (as_x8(*outs[n:n + 3]),) if x8 else ()

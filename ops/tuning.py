@@ -29,7 +29,8 @@ ATTENTION_IMPLS = ("ref", "pallas", "interpret")
 #   "router"    a MoE layer's FFN norm and its router's logits in one kernel (ops.norm_router_pallas)
 #   "topk"      the routed experts' gate/up programs route for themselves from the logits (ops.moe.moe_routed)
 #               instead of ops.router_pallas's top-k kernel (every expert resident, one device)
-FUSIONS = ("residual", "router", "topk")
+#   "gated_norm" a Gated DeltaNet layer's output norm multiplies by its silu(z) gate in the norm kernel
+FUSIONS = ("residual", "router", "topk", "gated_norm")
 
 
 def fill(given, table_value):

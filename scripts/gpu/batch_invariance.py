@@ -64,6 +64,8 @@ with jax.default_matmul_precision(api.MATMUL_PRECISION):
   parts = jnp.asarray(rng.standard_normal((T, cfg.top_k, D)), jnp.float32)
   report("rms_norm_pallas (+ residual in pieces: Tunings.fuse residual)", lambda x, p: rmsnorm_pallas.rms_norm_pallas(
       x, jnp.ones((D,)), 1e-6, (p, x * 0.5), interpret=cpu)[1], x, parts)
+  report("rms_norm_pallas with a silu gate (Tunings.fuse gated_norm)", lambda x: rmsnorm_pallas.rms_norm_pallas(
+      x, jnp.ones((D,)), 1e-6, interpret=cpu, gate_TD=x * 0.5), x)
   from ops import norm_router_pallas
   for i, part in enumerate(("sum", "norm", "logits")):
     report(f"norm_router_pallas: {part} (Tunings.fuse router)", lambda x, i=i: norm_router_pallas.norm_logits_pallas(

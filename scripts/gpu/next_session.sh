@@ -17,7 +17,7 @@
 #   fuse      issue 27 item 3: the step with the launch fusions (Tunings.fuse residual, router, topk), both expert types,
 #             interleaved, alone and on x8; the fused kernels' rows' invariance (~7 min); then PART=fusetrace (a
 #             trace per variant, ~4 min). Right after x8norm: a fusion that measures no gain is deleted
-#   fusehyb   issues 26 item 5 / 27: the fusions on the hybrid seed-mtp step (-5 launches a layer there) and replay
+#   fusehyb   issues 26 item 5 / 27: the fusions on the hybrid seed-mtp step (-5 or -6 launches a layer) and replay
 #             k = 3 against plain at 1K with them (~8 min)
 #   x8anchor  issue 27: llama.cpp and ours with and without x8 on one 30B file at 1K, same call (~6 min; carry .whl
 #             and .anchor: `mkdir -p .anchor && cp ../shared/anchor/{llama_cpp_cuda_sm90.tar.xz,llama_bench.py} .anchor/`;
@@ -100,9 +100,10 @@ fuse)  # issue 27 item 3: a block's FFN sum added by the next norm kernel (fuse=
   done
   timeout ${TI:-150} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 4 --moe_types IQ3_S \
     --glue on,on/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/fuse-invariance.txt | grep -E "fuse|trunk|DIFF" ;;
-fusehyb)  # the fusions on the seed-mtp step (its shared expert's gate logit and product fold too), interleaved,
-  # then replay k = 3 against plain at 1K with them, everything resident (item 5's 1.8x)
-  F=fuse=residual+router+topk
+fusehyb)  # the fusions on the seed-mtp step (its shared expert's gate logit and product fold too, and the DeltaNet
+  # output norm's gate: gated_norm), interleaved, then replay k = 3 against plain at 1K with them, everything
+  # resident (item 5's 1.8x)
+  F=fuse=residual+router+topk+gated_norm
   timeout ${TS:-300} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
     --glue on,on/$F --cells 4096:1024:auto:pallas --out $OUT/step.jsonl 2>&1 | filt | tee $OUT/fusehyb-step.log | tail -6
   timeout ${TR:-270} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3 \

@@ -9,7 +9,8 @@ were and takes launches out of a decode step.
   model to float32 rounding (the norm's reduction is another program's), and with the experts on 8-bit x the
   fused kernel makes the rounding.
 - "topk": the routed experts' gate/up routes for itself (ops.moe.moe_routed): no top-k kernel, the logits bitwise
-  the unfused model's (the same ops on the same logits)."""
+  the unfused model's (the same ops on the same logits).
+- "gated_norm": a DeltaNet layer's output norm kernel applies its silu(z) gate."""
 from __future__ import annotations
 
 import jax
@@ -99,3 +100,16 @@ def test_experts_route_for_themselves_bitwise():
   got, want = (np.asarray(jax.jit(step(o))(params, toks[8:12], st))
                for o in (Options(tunings=Tunings(fuse=("topk",))), Options()))
   np.testing.assert_array_equal(got, want)
+
+
+def test_gated_deltanet_norm_multiplies_by_its_gate():
+  """gated_norm: a DeltaNet layer's output norm kernel multiplies by silu(z) itself (one XLA launch fewer a
+  recurrent layer); the step's logits those of the unfused model."""
+  m, params, toks, st, step, _ = _setup("qwen3next")
+  n_rec = sum(m.cfg.is_recurrent(i) for i in range(m.cfg.n_layers))
+  fused = Options(tunings=Tunings(fuse=("gated_norm",)))
+  got, want = (np.asarray(jax.jit(step(o))(params, toks[8:10], st)) for o in (fused, Options()))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  divs = [sum(1 for p, s in _eqn_shapes(step(o), params, toks[8:10], st) if p == "div" and len(s) == 3)
+          for o in (fused, Options())]
+  assert divs[1] - divs[0] == n_rec, divs                  # silu's x / (1 + exp(-x)) over [T, Hv, Dv]

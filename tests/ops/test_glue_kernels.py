@@ -104,6 +104,19 @@ def test_rms_norm_kernel_adds_the_residual_from_pieces():
     np.testing.assert_allclose(np.asarray(impl_s), want, rtol=1e-6, atol=1e-5)
 
 
+def test_rms_norm_kernel_with_a_silu_gate():
+  """gate_TD (a DeltaNet layer's output norm): norm(x) * silu(z) in the kernel, against float64, each row alone."""
+  T, D = 6, 128
+  x, z = (RNG.standard_normal((T, D)).astype(np.float32) * 2 for _ in range(2))
+  w = (1 + 0.1 * RNG.standard_normal(D)).astype(np.float32)
+  f = jax.jit(lambda x, z: rmsnorm_pallas.rms_norm_pallas(x, jnp.asarray(w), 1e-6, interpret=True, gate_TD=z))
+  x64, z64 = x.astype(np.float64), z.astype(np.float64)
+  want = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-6) * w * (z64 / (1 + np.exp(-z64)))
+  got = np.asarray(f(x, z))
+  np.testing.assert_allclose(got, want, rtol=3e-6, atol=1e-6)
+  np.testing.assert_array_equal(got, np.concatenate(_rows_alone(f, x, z)))
+
+
 @pytest.mark.parametrize("tuning", [None, router_pallas.Tuning(programs=8, dc=64, warps=2)])
 def test_norm_router_kernel(tuning):
   """ops.norm_router_pallas: the stream's sum bitwise x + res; the norm, the logits and an extra row's against
@@ -225,6 +238,8 @@ def test_glue_kernels_lower(platform):
   wr = jax.ShapeDtypeStruct((E, D), jnp.float32)
   assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, r, w, wr: norm_router_pallas.norm_logits_pallas(
       x, r, w, wr, 1e-6, x8=True), x, x, w, wr)
+  assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w, z: rmsnorm_pallas.rms_norm_pallas(
+      x, w, 1e-6, gate_TD=z), x, w, x)
   parts = jax.ShapeDtypeStruct((T, 8, D), jnp.float32)
   assert "__gpu$xla.gpu.triton" in _lower(platform, lambda x, w, p, r: rmsnorm_pallas.rms_norm_pallas(
       x, w, 1e-6, (p, r), x8=True), x, w, parts, x)
