@@ -109,3 +109,21 @@ def test_rounds_beside_a_tier_read_in_spans_on_the_kernels_equal_plain_greedy(mo
   assert r.ids == plain
   assert 0 < sum(r.stats["drafts_accepted"]) < sum(r.stats["drafts_proposed"])
   assert 512 in pieces, pieces                  # the tier's spans ran through the kernel
+
+
+def test_rounds_with_the_launch_fusions_equal_plain_greedy():
+  """Every launch fusion on (Tunings.fuse: the residual stream in pieces, the norm making the router's and the
+  shared expert's gate logits, gate/up routing for itself, the DeltaNet norm's gate) over the kernels in interpret
+  mode: replay drafts wrong at every third token emit plain greedy decoding's tokens under the same options."""
+  import dataclasses
+  from model.options import Options
+  from ops.qtensor import with_kernels
+  from ops.tuning import FUSIONS, Tunings
+  m = load_model(model_path("qwen3next", "IQ3_S"))
+  m = dataclasses.replace(m, params=with_kernels(m.params, "interpret"))
+  kw = dict(max_new_tokens=10, stop_at_eos=False, kv="int8", kv_resident=256,
+            options=Options(tunings=Tunings(fuse=FUSIONS, attention_impl="interpret")))
+  plain = generate(m, _prompt(), **kw).ids
+  r = speculative_generate(m, _prompt(), drafter="replay", k=3, replay_ids=_corrupt(plain), **kw)
+  assert r.ids == plain
+  assert 0 < sum(r.stats["drafts_accepted"]) < sum(r.stats["drafts_proposed"])
