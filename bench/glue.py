@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from absl import app
 
-GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, xnat=T:B+T:B or 0, "
-              "qmm=P, x8=dp4a|int, px8=dp4a|int, dx8=dp4a|int, tier=N, span=N (powers of two), fuse=NAME+NAME")
+GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, norm=W, "
+              "xnat=T:B+T:B or 0, qmm=P, x8=dp4a|int, px8=dp4a|int, dx8=dp4a|int, tier=N, span=N (powers of two), "
+              "fuse=NAME+NAME")
 
 
 def glue_options(spec: str):
@@ -13,6 +14,8 @@ def glue_options(spec: str):
   Overrides, "/"-separated after "on":
     rope=N             ops.rope_write_pallas.Tuning(q_programs=N) (q programs per token)
     router=P:DC:W:RW   ops.router_pallas.Tuning (logits programs, D chunk, warps; top-k warps)
+    norm=W             ops.rmsnorm_pallas.Tuning(num_warps=W) (the norm kernels' warps: more loads in flight
+                       for a row with residual pieces)
     xnat=T:B+T:B | 0   the quantized kernels' x layout per type (ops.qmatmul_pallas.Tuning.natural_b for the
                        projections and both MoE kernels: natural order up to B tokens; types not named and 0:
                        the permuted view)
@@ -29,7 +32,7 @@ def glue_options(spec: str):
   >>> glue_options("on/rope=1")[1].rope_write
   Tuning(q_programs=1, num_warps=None)
   """
-  from ops import dot8, moe_pallas, qmatmul_pallas, rope_write_pallas, router_pallas
+  from ops import dot8, moe_pallas, qmatmul_pallas, rmsnorm_pallas, rope_write_pallas, router_pallas
   from ops.tuning import ByType, Tunings
   base, *parts = spec.split("/")
   if base not in ("on", "off") or (base == "off" and parts):
@@ -41,6 +44,10 @@ def glue_options(spec: str):
     try:
       if key == "rope":
         kw["rope_write"] = rope_write_pallas.Tuning(q_programs=int(val))
+      elif key == "norm":
+        if int(val) < 1:
+          raise ValueError(val)
+        kw["rmsnorm"] = rmsnorm_pallas.Tuning(num_warps=int(val))
       elif key == "router":
         p, dc, w, rw = (int(a) for a in val.split(":"))
         kw["router"] = router_pallas.Tuning(programs=p, dc=dc, warps=w, route_warps=rw)

@@ -109,7 +109,10 @@ fusehyb)  # the fusions on the seed-mtp step (its shared expert's gate logit and
   timeout ${TR:-270} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3 \
     --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 2 --glue on/$F --cells $OUT/fusehyb.jsonl 2>&1 | filt | tail -6 ;;
 fusetrace)  # the traces of PART=fuse's variants (launches and kernel time a step, per kernel: 596 for the float
-  # Q4_K step at a8c03c3, 452 expected with the three fusions)
+  # Q4_K step at a8c03c3, 452 expected with the three fusions); first the fused attn norm's warps (it reads 10
+  # rows a token in one program: norm=8 puts more loads in flight)
+  timeout ${TS:-150} $S30 --experts Q4_K --glue on/fuse=residual+router+topk,on/fuse=residual+router+topk/norm=8 \
+    --interleave --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/fuse-step.log | tail -4
   GX=on,on/fuse=residual+router+topk,on/x8=dp4a/fuse=residual+router+topk TX=${TX:-120} PART=x8trace \
     bash scripts/gpu/next_session.sh ;;
 x8anchor)  # issue 27 items 1-2 with x8: llama.cpp (../shared/anchor's tarball and llama_bench.py copied into .anchor/,

@@ -369,13 +369,14 @@ assert t.pick("qmatmul", "Q8_0").x8 == "int" and t.pick("qmatmul", "Q6_K").x8 is
 assert glue.glue_options("on/tier=16384")[1].tier_block == 16384 and glue.glue_options("on")[1].tier_block is None
 assert glue.glue_options("on/tier=4096/span=4096")[1].tier_span == 4096
 assert glue.glue_options("on/fuse=residual+topk")[1].fuse == ("residual", "topk") and glue.glue_options("on")[1].fuse == ()
+assert glue.glue_options("on/norm=8")[1].rmsnorm.num_warps == 8
 o = step.cell_options("on", "bf16x2/16/4/1")
 assert o.tunings.attention_impl == "pallas"
 assert o.tunings.attention == attention_pallas.Tuning(bk=16, num_warps=4, num_stages=1, dots="bf16x2")
 assert step.cell_options("on", "auto", "tf32x3").tunings.attention == attention_pallas.Tuning(dots="tf32x3")
 assert step.cell_options("off", "ref").glue is False and hash(o) == hash(step.cell_options("on", "bf16x2/16/4/1"))
 for bad in ("old", "on/gatherq=0", "on/ksum=1", "on/grid16=1", "off/rope=1", "on/xnat=Q9_9:4", "on/qmm=-1",
-            "on/tier=3000", "on/tier=0", "on/span=100", "on/x8=ptx", "on/dx8=1", "on/fuse=norm"):
+            "on/tier=3000", "on/tier=0", "on/span=100", "on/x8=ptx", "on/dx8=1", "on/fuse=norm", "on/norm=0"):
   try:
     glue.glue_options(bad); raise SystemExit(bad + " accepted")
   except app.UsageError as e:
