@@ -195,7 +195,7 @@ def prefill_chunk(gen: GenConfig) -> int:
 
   On a GPU: GEMM_PREFILL_CHUNK, so full chunks of the prompt run the tensor-core GEMMs (ops/qgemm_pallas,
   ops/moe_grouped_pallas). With expert slots too: a chunk routing more (token, expert) pairs than a block has
-  experts streams each MoE block's experts from the store once (model.transformer.MoE's direct path, run before the
+  experts streams each MoE block's experts from the store once (model.ffn.MoE's direct path, run before the
   slots exist: `start_request`, decode.kv_plan "streamed experts"), where 8-token chunks through the slots loaded
   every chunk's misses (206 GB moved for a 1K prompt on seed-mtp, 6.5x the store: docs/PERF.md "Replay rounds
   against the faster step"). The remainder after the full chunks runs 8 tokens a call (`prefill_tail`). On CPU:

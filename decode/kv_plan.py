@@ -178,7 +178,7 @@ def make_plan(cfg: ModelConfig, *, weight_bytes: int, ring: int, kv: str = "bf16
     items.append(Item("expert store", expert_bytes, "host"))
     if cfg.n_experts and prefill_chunk * cfg.top_k > cfg.n_experts:
       # a prefill chunk of more (token, expert) pairs than experts runs the direct path: each MoE block's experts
-      # move from the store whole (model.transformer.MoE), one block's buffer beside its neighbour's; the engine
+      # move from the store whole (model.ffn.MoE), one block's buffer beside its neighbour's; the engine
       # runs those chunks before it allocates the slots, so the two never share the device
       from model.expert_cache import expert_blocks
       items.append(Item("streamed experts", 2 * -(-expert_bytes // len(expert_blocks(cfg))), phase="prefill"))
