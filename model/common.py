@@ -42,6 +42,11 @@ def x8_kw(x8) -> dict:
   return {} if x8 is None else {"x8": x8}
 
 
+def fuses(opts: Options, name: str) -> bool:
+  """Whether opts' tunings ask for launch fusion `name` (ops.tuning.FUSIONS, `Tunings.fuse`)."""
+  return opts.tunings is not None and name in opts.tunings.fuse
+
+
 def kernel_mode(tree) -> str:
   """"pallas" | "interpret" when the first QTensor in `tree` runs that kernel mode, else "ref" (dense weights, or
   the XLA reference: `--kernels xla`)."""

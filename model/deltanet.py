@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from model.common import _init, _ones, _op, _param, _zeros, kernel_mode, x8_kw
+from model.common import _init, _ones, _op, _param, _zeros, fuses, kernel_mode, x8_kw
 from model.config import ModelConfig
 from model.mesh import delta_heads, delta_parallel
 from model.options import DEFAULT, Options
@@ -35,7 +35,6 @@ from ops import gated_delta as gd
 from ops.gated_delta_step_pallas import MAX_T as STEP_MAX_T
 from ops.layers import linear, rms_norm
 from ops.rmsnorm_pallas import rms_norm_pallas
-from ops.tuning import pick
 
 CHUNK = 64          # tokens per intra-chunk block of the prefill form
 
@@ -94,7 +93,7 @@ class GatedDeltaNet(nn.Module):
     if impl != "ref" and self.opts.glue and T <= STEP_MAX_T and Dv & (Dv - 1) == 0:
       # decode and verify: one program per (token, head) row, the same sums whatever T is (batch invariance)
       # (Tunings.fuse "gated_norm": the silu(z) gate in the same program)
-      z = z_THvDv.reshape(T * Hv, Dv) if "gated_norm" in (pick(self.opts.tunings, "fuse") or ()) else None
+      z = z_THvDv.reshape(T * Hv, Dv) if fuses(self.opts, "gated_norm") else None
       o = rms_norm_pallas(o_THvDv.reshape(T * Hv, Dv), norm, c.rms_eps, interpret=impl == "interpret", gate_TD=z)
       o = o.reshape(T, Hv, Dv)
       if z is None:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from model import expert_cache as xc
-from model.common import _init, _op, _param, _zeros, x8_kw
+from model.common import _init, _op, _param, _zeros, fuses, x8_kw
 from model.config import ModelConfig
 from model.mesh import expert_parallel
 from model.options import DEFAULT, Options
@@ -125,7 +125,7 @@ class MoE(nn.Module):
     """Tunings.fuse "topk": the decode kernels route for themselves (ops.moe.moe_routed) where the route kernel
     would run, every expert resident, the model's own moe on one device."""
     o = self.opts
-    return ("topk" in (pick(o.tunings, "fuse") or ()) and self.glue != "ref" and experts is None
+    return (fuses(o, "topk") and self.glue != "ref" and experts is None
             and o.mesh is None and not o.layer_ops
             and moe_ops.routes_itself(T, router, gate, up, down, self.cfg.top_k))
 

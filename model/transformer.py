@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from model.common import _init, _ones, _op, _param, _zeros, kernel_mode, x8_kw
+from model.common import _init, _ones, _op, _param, _zeros, fuses, kernel_mode, x8_kw
 from model.deltanet import GatedDeltaNet
 from model.ffn import DenseMLP, MoE
 from model.config import ModelConfig
@@ -228,7 +228,7 @@ def norm_routes(block: nn.Module, T: int, glue: str) -> bool:
   (Tunings.fuse "router", ops.norm_router_pallas): where the route kernels run (glue on, a float router and gate,
   the kernels' shapes), the model's own MoE on one device."""
   o, c = block.opts, block.cfg
-  if glue == "ref" or "router" not in (pick(o.tunings, "fuse") or ()) or o.mesh is not None or o.layer_ops:
+  if glue == "ref" or not fuses(o, "router") or o.mesh is not None or o.layer_ops:
     return False
   ffn = block.variables.get("params", {}).get("ffn", {})
   router, gate = ffn.get("router"), ffn.get("shexp_gate")
@@ -248,7 +248,7 @@ class Pending(NamedTuple):
 def defers_residual(opts: Options, T: int) -> bool:
   """Whether a Decoder over T tokens hands the residual stream on as `Pending` (Tunings.fuse "residual", T within
   the norm kernel's rows)."""
-  return "residual" in (pick(opts.tunings, "fuse") or ()) and T <= rmsnorm_pallas.MAX_T
+  return fuses(opts, "residual") and T <= rmsnorm_pallas.MAX_T
 
 
 class Block(nn.Module):

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import dot8
+from ops.gated_delta import silu
 from ops.layers import rms_norm
 from ops.tuning import fill
 
@@ -76,9 +77,8 @@ def _kernel(x_ref, w_ref, *refs, eps: float, parts: tuple, x8: bool, gated: bool
     x = x + r
     s_ref[t, :] = x
   y = norm_row(x, w_ref[...], eps)
-  if gated:                                         # a gated norm: norm(x) * silu(z) (ops.gated_delta.silu's ops)
-    z = z_ref[t, :]
-    y = y * (z / (1.0 + jnp.exp(-z)))
+  if gated:                                         # a gated norm: norm(x) * silu(z)
+    y = y * silu(z_ref[t, :])
   y_ref[t, :] = y
   if x8:
     write_x8(*refs, t, y)

@@ -162,12 +162,11 @@ def topk_pallas(logits_TE, bias_E, *, routing: str, top_k: int, norm_topk: bool,
                 interpret: bool = False, tuning: Tuning | None = None):
   """(ids [T, X] int32, weights [T, X] float32) from router logits [T, E] (the route kernel alone: the logits came
   from another kernel, e.g. ops.norm_router_pallas)."""
-  logits = logits_TE
-  T, E = logits.shape
+  T, E = logits_TE.shape
   t = fill(tuning, TUNING)
   KP = 1 << (top_k - 1).bit_length()
   has_bias = routing != "softmax" and bias_E is not None
-  args = [logits] + ([bias_E.astype(jnp.float32)] if has_bias else [])
+  args = [logits_TE] + ([bias_E.astype(jnp.float32)] if has_bias else [])
   ids, w = pl.pallas_call(
       functools.partial(_route_kernel, E=E, K=top_k, KP=KP, softmax=routing == "softmax", has_bias=has_bias,
                         norm_topk=norm_topk, scale=routed_scale),

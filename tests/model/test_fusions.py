@@ -97,9 +97,10 @@ def test_ffn_norm_makes_the_router_logits(arch, monkeypatch):
 
 def test_experts_route_for_themselves_bitwise():
   m, params, toks, st, step, n_moe = _setup("qwen3moe")
-  got, want = (np.asarray(jax.jit(step(o))(params, toks[8:12], st))
-               for o in (Options(tunings=Tunings(fuse=("topk",))), Options()))
+  fused = Options(tunings=Tunings(fuse=("topk",)))
+  got, want = (np.asarray(jax.jit(step(o))(params, toks[8:12], st)) for o in (fused, Options()))
   np.testing.assert_array_equal(got, want)
+  assert "router_topk" not in _kernel_names(step(fused), params, toks[8:12], st)   # gate/up routed itself
 
 
 def test_gated_deltanet_norm_multiplies_by_its_gate():
