@@ -38,7 +38,7 @@ from model.options import DEFAULT, Options
 from ops import attention as attn_ops
 from ops import qmatmul as qmatmul_ops
 from ops import moe as moe_ops
-from ops import norm_router_pallas, rope_write_pallas
+from ops import norm_router_pallas, rope_attention_pallas, rope_write_pallas
 from ops import rmsnorm_pallas
 from ops.rmsnorm_pallas import add_rms_norm
 from ops.layers import linear, rms_norm, rope_neox
@@ -84,10 +84,12 @@ class Attention(nn.Module):
       qkv = self._fused_qkv(x_TD, x8)
       qn = _param(self, "q_norm", _ones, (Dh,)) if c.qk_norm else None
       kn = _param(self, "k_norm", _ones, (Dh,)) if c.qk_norm else None
-      q, arrays = rope_write_pallas.rope_write(
-          qkv, qn, kn, pos_T, cache.arrays, impl=glue, n_heads=H, n_kv_heads=Hkv, head_dim=Dh,
-          rope_dim=c.rope_dim, theta=c.rope_theta, offset=self.rope_offset, eps=c.rms_eps,
-          tuning=pick(self.opts.tunings, "rope_write"))
+      kw = dict(n_heads=H, n_kv_heads=Hkv, head_dim=Dh, rope_dim=c.rope_dim, theta=c.rope_theta,
+                offset=self.rope_offset, eps=c.rms_eps)
+      if self._folds_rope(T, cache, attn_block):      # ... inside the attention kernel (Tunings.fuse "rope")
+        return self._rope_attend(x_TD, qkv, qn, kn, pos_T, cache, attn_block, wo, glue, kw)
+      q, arrays = rope_write_pallas.rope_write(qkv, qn, kn, pos_T, cache.arrays, impl=glue,
+                                               tuning=pick(self.opts.tunings, "rope_write"), **kw)
       cache = cache.with_arrays(arrays)
       return cache, self._attend(x_TD, q, pos_T, cache, attn_block, wo)
     if self.has_variable("params", "wqkv"):          # fused at load (model.api.fuse_qkv): one matmul, one launch
@@ -149,29 +151,59 @@ class Attention(nn.Module):
   def _ring_attention(self, q_THDh, pos_T, cache: KVLayer, attn_block):
     """Attention of q [T, Hq, Dh] over the layer's ring alone (its new rows written): [T, Hq, Dh] float32."""
     Dh = q_THDh.shape[-1]
-    # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
-    length = cache.length + q_THDh.shape[0] + cache.scratch
+    length = cache.length + q_THDh.shape[0] + cache.scratch         # as _ring_window's
     return attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, length, block=attn_block,
                                    scale=1.0 / float(Dh) ** 0.5, tunings=self.opts.tunings)
 
-  def _attend(self, x_TD, q_THDh, pos_T, cache: KVLayer, attn_block, wo):
+  def _folds_rope(self, T: int, cache: KVLayer, attn_block: int) -> bool:
+    """Whether this pass runs RoPE and the ring write inside the attention kernel: Tunings.fuse "rope", a decode
+    or verify pass whose attention is not forced to the reference, shapes the folded kernel takes."""
+    c, tun = self.cfg, self.opts.tunings
+    return (fuses(self.opts, "rope") and pick(tun, "attention_impl") != "ref"
+            and rope_attention_pallas.supported(T, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, attn_block,
+                                                cache.k) is None)
+
+  def _rope_attend(self, x_TD, qkv, qn, kn, pos_T, cache: KVLayer, attn_block, wo, impl: str, kw: dict):
+    """`_attend` with the ring's part from the folded kernel (ops.rope_attention_pallas), which also writes the
+    pass's rows: (the layer's cache, the block's output)."""
+    T, Dh = x_TD.shape[0], self.cfg.head_dim
+    length, lo = self._ring_window(pos_T, cache, T)
+    tier = cache.tier is not None
+    res = rope_attention_pallas.rope_attention(
+        qkv, qn, kn, pos_T, cache.arrays, length, lo, impl=impl, block=attn_block, scale=1.0 / float(Dh) ** 0.5,
+        with_lse=tier, with_q=tier, tuning=pick(self.opts.tunings, "attention"), **kw)
+    cache = cache.with_arrays(res[1])
+    q = res[2].reshape(T, self.cfg.n_heads, Dh) if tier else None
+    return cache, self._attend(x_TD, q, pos_T, cache, attn_block, wo, ring=res[0])
+
+  @staticmethod
+  def _ring_window(pos_T, cache: KVLayer, T: int):
+    """(length, lo_T) of a decode or verify pass's attention over the ring: beside a host tier row t sees the ring
+    from lo_t = pos_t + 1 - window and the tier below it, the split of the step that decodes pos_t alone, so a
+    verify pass's rows are that step's bitwise (DESIGN invariant 3; lo_t is at least written - R: older slots are
+    overwritten); without a tier every row sees the whole ring (lo None, length = written + scratch)."""
+    if cache.tier is None:
+      # "length" = written + scratch: keys older than (written - window) are masked (see KVRing.scratch)
+      return cache.length + T + cache.scratch, None
+    return cache.length + T, jnp.maximum(pos_T + 1 - cache.window, cache.length + T - cache.capacity)
+
+  def _attend(self, x_TD, q_THDh, pos_T, cache: KVLayer, attn_block, wo, ring=None):
     """Attention of q [T, H, Dh] over the layer's ring (its new rows already written) and host tier, then the
-    output projection."""
-    T, H, Dh = q_THDh.shape
+    output projection. ring: the ring's part when computed already (the folded kernel's out, or (out, lse)
+    beside a tier)."""
+    T, H, Dh = q_THDh.shape if q_THDh is not None else (x_TD.shape[0], self.cfg.n_heads, self.cfg.head_dim)
     scale = 1.0 / float(Dh) ** 0.5
     tun = self.opts.tunings
     if cache.tier is None:
-      o = self._ring_attention(q_THDh, pos_T, cache, attn_block)
+      o = ring if ring is not None else self._ring_attention(q_THDh, pos_T, cache, attn_block)
     else:
       # The ring's part (on the decode kernel where it takes the call, as without a tier) and the tier's, each
-      # with its log-sum-exp. Decode and verify (T <= MAX_T): row t sees the ring from lo_t = pos_t + 1 - window
-      # and the tier below it, the split of the step that decodes pos_t alone, so a verify pass's rows are that
-      # step's bitwise (DESIGN invariant 3; lo_t is at least written - R: older slots are overwritten). Prefill
+      # with its log-sum-exp. Decode and verify (T <= MAX_T): each row's own window (`_ring_window`). Prefill
       # chunks: every row sees the ring from written - window, the tier below.
       if T <= attn_ops.attention_pallas.MAX_T:
-        lo = jnp.maximum(pos_T + 1 - cache.window, cache.length + T - cache.capacity)
-        o1, lse1 = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, cache.length + T, block=attn_block,
-                                           scale=scale, with_lse=True, lo_T=lo, tunings=tun)
+        length, lo = self._ring_window(pos_T, cache, T)
+        o1, lse1 = ring if ring is not None else attn_ops.ring_attention(
+            q_THDh, *cache.arrays, pos_T, length, block=attn_block, scale=scale, with_lse=True, lo_T=lo, tunings=tun)
         q_hi = lo - 1
       else:
         o1, lse1 = attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, cache.length + T + cache.scratch,

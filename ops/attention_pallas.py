@@ -205,20 +205,26 @@ def dots_for(dots: str | None, ring_dtype) -> str:
 
 
 def tile_step(i, carry, q, rowpos, k_ref, v_ref, ks_ref, vs_ref, *, layer, h, oldest, bk: int, capacity: int,
-              tc: bool, dots: str):
+              tc: bool, dots: str, fresh=None):
   """One key tile of an online softmax (float32): rows q [P, Dh] (pre-scaled) at positions rowpos [P] against
   key tile i of kv head h (positions [i*bk, (i+1)*bk), slots from (i*bk) mod R), masked to oldest <= p <= row
   position (oldest: a scalar, or per row [P, 1]); carry (running max m [P], sum l [P], acc [P, Dh]). Shared by the
-  decode and prefill kernels."""
+  decode and prefill kernels. fresh: None, or fresh(kpos [bk], k, v, ks, vs) -> (k, v, ks, vs), the tile with
+  rows replaced in registers (ops/rope_attention_pallas: the pass's new rows, not read back from the ring)."""
   m, l, acc = carry
   slot0 = pl.multiple_of(lax.rem(i, capacity // bk) * bk, bk)
   kv_t = jnp.bfloat16 if dots == "bf16x2" else jnp.float32
   k = k_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)              # [bk, Dh] (int8: the integers)
   v = v_ref[layer, pl.ds(slot0, bk), h, :].astype(kv_t)
+  ks = vs = None
+  if ks_ref is not None:
+    ks, vs = ks_ref[layer, pl.ds(slot0, bk), h], vs_ref[layer, pl.ds(slot0, bk), h]
+  if fresh is not None:
+    k, v, ks, vs = fresh(i * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0), k, v, ks, vs)
   dot = _dot_bf16x2 if dots == "bf16x2" else functools.partial(_dot, tc=tc)
   sc = dot(q, k, 1)                                                      # [P, bk] = q k^T
-  if ks_ref is not None:
-    sc = sc * ks_ref[layer, pl.ds(slot0, bk), h][None, :]
+  if ks is not None:
+    sc = sc * ks[None, :]
   kpos = i * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
   ok = (kpos <= rowpos[:, None]) & (kpos >= oldest)                     # [P, bk]
   sc = jnp.where(ok, sc, NEG_INF)
@@ -226,7 +232,7 @@ def tile_step(i, carry, q, rowpos, k_ref, v_ref, ks_ref, vs_ref, *, layer, h, ol
   p = jnp.where(ok, jnp.exp(sc - m_new[:, None]), 0.0)
   corr = jnp.exp(m - m_new)
   l = l * corr + jnp.sum(p, axis=1)
-  pv = p * vs_ref[layer, pl.ds(slot0, bk), h][None, :] if vs_ref is not None else p
+  pv = p * vs[None, :] if vs is not None else p
   acc = acc * corr[:, None] + dot(pv, v, 0)
   return m_new, l, acc
 

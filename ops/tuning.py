@@ -30,7 +30,9 @@ ATTENTION_IMPLS = ("ref", "pallas", "interpret")
 #   "topk"      the routed experts' gate/up programs route for themselves from the logits (ops.moe.moe_routed)
 #               instead of ops.router_pallas's top-k kernel (every expert resident, one device)
 #   "gated_norm" a Gated DeltaNet layer's output norm multiplies by its silu(z) gate in the norm kernel
-FUSIONS = ("residual", "router", "topk", "gated_norm")
+#   "rope"      q/k norm, RoPE and the ring write inside the decode attention kernel (ops.rope_attention_pallas)
+#               instead of ops.rope_write_pallas's launch before it
+FUSIONS = ("residual", "router", "topk", "gated_norm", "rope")
 
 
 def fill(given, table_value):

@@ -4,7 +4,7 @@ mix for sm_90, from the Triton IR that Pallas emits on this CPU-only jaxlib.
 Two steps, two Python environments (jaxlib does not ship Triton's Python compiler; the pip `triton` wheel does,
 with ptxas and cuobjdump inside it):
 
-  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention,dp4a,fuse] [--precision P: f32 | bf16 (default,
+  python scripts/kernel_sass.py dump DIR [--cases qgemm,grouped,decode,attention,dp4a,fuse,rope] [--precision P: f32 | bf16 (default,
       the GPU's)]   # project venv: DIR/<kernel>.ttir
   TRITON_ALWAYS_COMPILE=1 /path/to/venv-with-triton/bin/python scripts/kernel_sass.py compile DIR
 
@@ -59,6 +59,20 @@ def _cases(names, precision="bf16"):
     k1, s1 = S((4096, 4, 128), jnp.int8), S((4096, 4), jnp.float32)
     yield ("prefill_attention", functools.partial(prefill_attention_pallas.prefill_attention_pallas, block=256, scale=0.088),
            (S((1024, 32, 128), jnp.float32), k1, k1, s1, s1, S((1024,), jnp.int32), S((), jnp.int32)))
+  if "rope" in names:                 # issue 27 item 3: the ring write and RoPE folded into the decode attention
+    from ops import attention_pallas, rope_attention_pallas, rope_write_pallas
+    S = jax.ShapeDtypeStruct
+    for T in (1, 4):
+      ring = (S((32768, 4, 128), jnp.int8), S((32768, 4, 128), jnp.int8), S((32768, 4), jnp.float32),
+              S((32768, 4), jnp.float32))
+      kw = dict(n_heads=32, n_kv_heads=4, head_dim=128, rope_dim=128, theta=1e6, offset=0, eps=1e-6)
+      qkv, w, pos = S((T, 40 * 128), jnp.float32), S((128,), jnp.float32), S((T,), jnp.int32)
+      yield (f"rope_attention_T{T}", functools.partial(rope_attention_pallas.rope_attention_pallas, block=256,
+                                                       scale=0.088, **kw), (qkv, w, w, pos, ring, S((), jnp.int32)))
+      yield (f"rope_write_T{T}", functools.partial(rope_write_pallas.rope_write_pallas, **kw), (qkv, w, w, pos, ring))
+      yield (f"decode_attention_1layer_T{T}", functools.partial(attention_pallas.ring_attention_pallas, block=256,
+                                                                scale=0.088),
+             (S((T, 32, 128), jnp.float32), *ring, pos, S((), jnp.int32)))
   if "dp4a" in names:                 # issue 27: the x8 tiles (ops/dot8) against the float ones, B = 1
     from ops import moe_pallas, qmatmul_pallas
     x1 = jax.ShapeDtypeStruct((1, 2048), jnp.float32)

@@ -121,6 +121,31 @@ for depth in (1000, 1025):            # 1025: the pass's last query opens a key 
   print(f"{f'attention kernel, int8 ring, depth {depth}':52s} {'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
         flush=True)
 
+# the same with RoPE and the ring write inside the kernel (Tunings.fuse rope): the pass against its steps, each step
+# writing its own row first, the ring after them too
+from ops import rope_attention_pallas  # noqa: E402
+Wq = (Hq + 2 * Hkv) * Dh
+rkw = dict(n_heads=Hq, n_kv_heads=Hkv, head_dim=Dh, rope_dim=cfg.rope_dim, theta=cfg.rope_theta, offset=0,
+           eps=cfg.rms_eps, block=256, scale=Dh ** -0.5, interpret=cpu)
+wn = jnp.asarray(1.0 + 0.1 * rng.standard_normal(Dh), jnp.float32) if cfg.qk_norm else None
+if rope_attention_pallas.supported(T, Hq, Hkv, Dh, cfg.rope_dim, 256, ring.k[0]) is None:
+  for depth in (1000, 1025):
+    ring = KVRing.create(1, 4096, Hkv, Dh, "int8", block=256)
+    ring = ring.write(0, jnp.arange(depth), jnp.asarray(rng.standard_normal((depth, Hkv, Dh)), jnp.float32),
+                      jnp.asarray(rng.standard_normal((depth, Hkv, Dh)), jnp.float32))
+    qkv = jnp.asarray(rng.standard_normal((T, Wq)), jnp.float32)
+    fold = jax.jit(lambda x, p, r: rope_attention_pallas.rope_attention_pallas(x, wn, wn, p, r, p[-1] + 1, **rkw))
+    full, full_ring = fold(qkv, depth + jnp.arange(T), ring.layer(0))
+    r, rows = ring.layer(0), []
+    for i in range(T):
+      o, r = fold(qkv[i:i + 1], depth + i + jnp.arange(1), r)
+      rows.append(o)
+    dd = float(np.max(np.abs(np.asarray(full) - np.concatenate([np.asarray(o) for o in rows]))))
+    dr = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+             for a, b in zip(full_ring, r))
+    print(f"{f'rope + write + attention kernel, depth {depth} (fuse rope)':52s} "
+          f"{'bitwise' if dd == dr == 0 else f'DIFFERS: max |diff| out {dd:.3e}, ring {dr:.3e}'}", flush=True)
+
 # beside a host tier: the ring part with per-row windows on a wrapped ring whose window start crosses a key tile
 # within the pass (the old contiguous split schedule moved its boundaries there), and the tier part block by block
 R, W = 4096, 4096 - T

@@ -127,3 +127,27 @@ def test_rounds_with_the_launch_fusions_equal_plain_greedy():
   r = speculative_generate(m, _prompt(), drafter="replay", k=3, replay_ids=_corrupt(plain), **kw)
   assert r.ids == plain
   assert 0 < sum(r.stats["drafts_accepted"]) < sum(r.stats["drafts_proposed"])
+
+
+def test_rounds_with_the_rope_fold_beside_a_tier_equal_plain_greedy(monkeypatch):
+  """Tunings.fuse "rope" (RoPE and the ring write inside the attention kernel, ops.rope_attention_pallas) on the
+  Q8_0 file (fused q/k/v) in interpret mode, a 256-slot ring with a host tier behind it (the kernel also hands q
+  to the tier's attention): replay drafts wrong at every third token emit plain greedy decoding's tokens."""
+  import dataclasses
+  from model.options import Options
+  from ops import rope_attention_pallas
+  from ops.qtensor import with_kernels
+  from ops.tuning import Tunings
+  real, seen = rope_attention_pallas.rope_attention_pallas, set()
+  monkeypatch.setattr(rope_attention_pallas, "rope_attention_pallas",
+                      lambda *a, **kw: seen.add((a[0].shape[0], kw["with_q"])) or real(*a, **kw))
+  m = load_model(model_path("qwen3next", "Q8_0"))
+  m = dataclasses.replace(m, params=with_kernels(m.params, "interpret"))
+  prompt = _prompt(300, seed=5)
+  kw = dict(max_new_tokens=8, stop_at_eos=False, kv="int8", kv_resident=256, max_context=1024,
+            options=Options(tunings=Tunings(fuse=("rope",), attention_impl="interpret")))
+  plain = generate(m, prompt, **kw).ids
+  r = speculative_generate(m, prompt, drafter="replay", k=3, replay_ids=_corrupt(plain), **kw)
+  assert r.ids == plain
+  assert 0 < sum(r.stats["drafts_accepted"]) < sum(r.stats["drafts_proposed"])
+  assert {(1, True), (4, True)} <= seen, seen            # steps and verify passes, beside the tier

@@ -10,7 +10,10 @@ were and takes launches out of a decode step.
   fused kernel makes the rounding.
 - "topk": the routed experts' gate/up routes for itself (ops.moe.moe_routed): no top-k kernel, the logits bitwise
   the unfused model's (the same ops on the same logits).
-- "gated_norm": a DeltaNet layer's output norm kernel applies its silu(z) gate."""
+- "gated_norm": a DeltaNet layer's output norm kernel applies its silu(z) gate.
+- "rope": q/k norm, RoPE and the ring write run inside the decode attention kernel (ops.rope_attention_pallas):
+  the logits and the whole state after a step and a verify pass bitwise the two kernels' (fused q/k/v weights, the
+  Q8_0 files), and neither rope_write's nor the split attention's kernel left."""
 from __future__ import annotations
 
 import jax
@@ -43,8 +46,8 @@ def _kernel_names(fn, *args) -> list:
   return names
 
 
-def _setup(arch):
-  m = load_model(model_path(arch, "IQ3_S"))
+def _setup(arch, kind="IQ3_S"):
+  m = load_model(model_path(arch, kind))
   toks = jnp.asarray(np.random.default_rng(5).integers(0, 1000, 12), jnp.int32)
   _, _, st = api.prefill(m.params, toks[:8], api.init_state(m.cfg, 256, "int8"), cfg=m.cfg)
   step = lambda options: (lambda p, t, s: api.forward(p, t, s, cfg=m.cfg, options=options)[0])
@@ -114,3 +117,19 @@ def test_gated_deltanet_norm_multiplies_by_its_gate():
   divs = [sum(1 for p, s in _eqn_shapes(step(o), params, toks[8:10], st) if p == "div" and len(s) == 3)
           for o in (fused, Options())]
   assert divs[1] - divs[0] == n_rec, divs                  # silu's x / (1 + exp(-x)) over [T, Hv, Dv]
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_rope_and_the_ring_write_run_inside_attention(arch):
+  m, params, toks, st, _, _ = _setup(arch, "Q8_0")
+  n_attn = sum(not m.cfg.is_recurrent(i) for i in range(m.cfg.n_layers))
+  step = lambda o: (lambda p, t, s: api.forward(p, t, s, cfg=m.cfg, options=o))    # noqa: E731
+  plain = Options(tunings=Tunings(attention_impl="interpret"))          # the split kernel, as on a GPU
+  fused = Options(tunings=plain.tunings.replace(fuse=("rope",)))
+  for T in (1, 4):
+    got, want = (jax.tree_util.tree_leaves(jax.jit(step(o))(params, toks[8:8 + T], st)) for o in (fused, plain))
+    for a, b in zip(got, want):                                        # logits, hidden, every ring and state
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  names, before = (_kernel_names(step(o), params, toks[8:9], st) for o in (fused, plain))
+  assert names.count("rope_ring_attention") == n_attn == before.count("rope_ring_write")
+  assert "rope_ring_write" not in names and "ring_decode_attention" not in names
