@@ -14,7 +14,7 @@
 #             x8's default and each fusion's fate; then fusetrace, fusehyb
 #   x8norm    issue 27: x8 with the rounding in the norm kernel, the step A/B for both expert types, its rows'
 #             invariance, a trace (~5 min). FIRST: it decides x8's default (PERF "Integer dots on 8-bit x on the GPU")
-#   fuse      issue 27 item 3: the step with the launch fusions (Tunings.fuse residual, router, topk), both expert types,
+#   fuse      issue 27 item 3: the step with the launch fusions (Tunings.fuse rope, residual, router, topk), both expert types,
 #             interleaved, alone and on x8; the fused kernels' rows' invariance (~7 min); then PART=fusetrace (a
 #             trace per variant, ~4 min). Right after x8norm: a fusion that measures no gain is deleted
 #   fusehyb   issues 26 item 5 / 27: the fusions on the hybrid seed-mtp step (-5 or -6 launches a layer) and replay
@@ -81,8 +81,9 @@ x8norm)  # issue 27: x8 with the rounding in the RMSNorm kernel (commit 31c9947)
   timeout ${TI:-100} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 1 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8norm-invariance.txt | grep -E "x8|DIFF"
   GX=on/x8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a TX=${TX:-120} PART=x8trace bash scripts/gpu/next_session.sh ;;
-x8fuse)  # x8norm and fuse in one call (commit 8146bb3): float, x8, +dx8, +px8, the fusions alone and on x8 (+dx8)
-  F=fuse=residual+router+topk
+x8fuse)  # x8norm and fuse in one call (commit 8146bb3; rope since 34ef97a): float, x8, +dx8, +px8, the fusions alone
+  # and on x8 (+dx8)
+  F=fuse=residual+router+topk+rope
   for x in IQ3_S Q4_K; do
     timeout ${TS:-230} $S30 --experts $x --glue on,on/x8=dp4a,on/x8=dp4a/dx8=dp4a,on/x8=dp4a/dx8=dp4a/px8=dp4a,on/$F,on/x8=dp4a/$F,on/x8=dp4a/dx8=dp4a/$F \
       --interleave --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/x8fuse-step.log | tail -10
@@ -90,12 +91,13 @@ x8fuse)  # x8norm and fuse in one call (commit 8146bb3): float, x8, +dx8, +px8, 
   timeout ${TI:-100} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 4 --proj_types Q8_0 \
     --moe_types IQ3_S,Q4_K --x8 dp4a --glue on/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/x8fuse-invariance.txt \
     | grep -E "x8|fuse|trunk|DIFF" ;;
-fuse)  # issue 27 item 3: a block's FFN sum added by the next norm kernel (fuse=residual: -1 launch a layer), the FFN
-  # norm and the router logits in one kernel (router: -1 more), gate/up routing for itself (topk: -1 more), alone
-  # and on x8; the fused kernels' rows and a 4-layer trunk's verify pass against its steps (~8 min)
-  F=fuse=residual+router+topk
+fuse)  # issue 27 item 3: RoPE and the ring write inside the attention kernel (fuse=rope: -1 launch a layer), a
+  # block's FFN sum added by the next norm kernel (residual: -1), the FFN norm and the router logits in one kernel
+  # (router: -1 more), gate/up routing for itself (topk: -1 more), alone and on x8; the fused kernels' rows and a
+  # 4-layer trunk's verify pass against its steps (~9 min)
+  F=fuse=residual+router+topk+rope
   for x in IQ3_S Q4_K; do
-    timeout ${TS:-220} $S30 --experts $x --glue on,on/fuse=residual,on/fuse=residual+router,on/$F,on/x8=dp4a/$F --interleave \
+    timeout ${TS:-250} $S30 --experts $x --glue on,on/fuse=rope,on/fuse=residual,on/fuse=residual+router,on/$F,on/x8=dp4a/$F --interleave \
       --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/fuse-step.log | tail -8
   done
   timeout ${TI:-150} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 4 --moe_types IQ3_S \
@@ -103,7 +105,7 @@ fuse)  # issue 27 item 3: a block's FFN sum added by the next norm kernel (fuse=
 fusehyb)  # the fusions on the seed-mtp step (its shared expert's gate logit and product fold too, and the DeltaNet
   # output norm's gate: gated_norm), interleaved, then replay k = 3 against plain at 1K with them, everything
   # resident (item 5's 1.8x)
-  F=fuse=residual+router+topk+gated_norm
+  F=fuse=residual+router+topk+gated_norm+rope
   timeout ${TS:-300} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
     --glue on,on/$F --cells 4096:1024:auto:pallas --out $OUT/step.jsonl 2>&1 | filt | tee $OUT/fusehyb-step.log | tail -6
   timeout ${TR:-270} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3 \
@@ -111,9 +113,9 @@ fusehyb)  # the fusions on the seed-mtp step (its shared expert's gate logit and
 fusetrace)  # the traces of PART=fuse's variants (launches and kernel time a step, per kernel: 596 for the float
   # Q4_K step at a8c03c3, 452 expected with the three fusions); first the fused attn norm's warps (it reads 10
   # rows a token in one program: norm=8 puts more loads in flight)
-  timeout ${TS:-150} $S30 --experts Q4_K --glue on/fuse=residual+router+topk,on/fuse=residual+router+topk/norm=8 \
+  timeout ${TS:-150} $S30 --experts Q4_K --glue on/fuse=residual+router+topk+rope,on/fuse=residual+router+topk+rope/norm=8 \
     --interleave --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/fuse-step.log | tail -4
-  GX=on,on/fuse=residual+router+topk,on/x8=dp4a/fuse=residual+router+topk TX=${TX:-120} PART=x8trace \
+  GX=on,on/fuse=residual+router+topk+rope,on/x8=dp4a/fuse=residual+router+topk+rope TX=${TX:-120} PART=x8trace \
     bash scripts/gpu/next_session.sh ;;
 x8anchor)  # issue 27 items 1-2 with x8: llama.cpp (../shared/anchor's tarball and llama_bench.py copied into .anchor/,
   # carried) and ours with and without x8 on one 30B file at 1K (EXPERTS=Q4_K for the other expert type); ~6 min
