@@ -295,8 +295,10 @@ def _log_result(arm: Arm, seed: int, st: dict) -> None:
   prefill = "reused" if st.get("prefill_tok_s") is None else f"{st['prefill_tok_s']:.0f} tok/s"
   split = (f" (setup {st['setup_s']:.3f} s" + (f", prefill {st['prefill_s']:.3f} s)" if st.get("prefill_s") is not None
                                                 else ")")) if st.get("setup_s") is not None else ""
-  CELL_LOG.info("cell %s seed %d: %d prompt tokens, TTFT %.3f s%s, prefill %s, %d tokens at %.2f tok/s decode%s",
-               arm.name, seed, st["prompt_tokens"], st["ttft_s"], split, prefill, st["generated_tokens"],
+  # a reused prefill's TTFT is its original request's (the compiling run's, where that one compiled)
+  ttft = f"TTFT {st['ttft_s']:.3f} s" + (" (the reused prefill's own request)" if st.get("prefill_reused") else "")
+  CELL_LOG.info("cell %s seed %d: %d prompt tokens, %s%s, prefill %s, %d tokens at %.2f tok/s decode%s",
+               arm.name, seed, st["prompt_tokens"], ttft, split, prefill, st["generated_tokens"],
                st["decode_tok_s"], drafts)
 
 

@@ -31,7 +31,7 @@ def _cases(names, precision="bf16"):
   import jax
   import jax.numpy as jnp
   from ops import moe_grouped_pallas, qgemm_pallas
-  from tests.ops.test_lowering import _abstract_qtensor  # noqa: E402  (the abstract planes the lowering tests use)
+  from tools.lowering import abstract_qtensor as _abstract_qtensor
   x = jax.ShapeDtypeStruct((1024, 2048), jnp.float32)
   if "qgemm" in names:
     for q in ("Q8_0", "IQ3_S", "Q4_K"):
@@ -133,7 +133,7 @@ def _cases(names, precision="bf16"):
 def dump(out_dir, names):
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
   from jax._src.pallas.triton import pallas_call_registration as reg
-  from tests.ops.test_lowering import _lower
+  from tools.lowering import lower as _lower
   os.makedirs(out_dir, exist_ok=True)
   captured = []
   orig = reg.lowering.lower_jaxpr_to_triton_module

@@ -1,3 +1,4 @@
 """tools/: what the tests and the training script share, outside the product packages: llama.cpp as the reference
-engine (`llama_ref`: logits, greedy tokens, its quantizer) and the default model's training script
-(`train_default`). No product module imports it."""
+engine (`llama_ref`: logits, greedy tokens, its quantizer), the default models' training scripts
+(`train_default`, `train_hybrid`) and lowering for an abstract GPU (`lowering`: the lowering tests and
+scripts/kernel_sass.py). No product module imports it."""

@@ -7,7 +7,7 @@ import pytest
 
 from bench import kernels as bench
 from ops import qmatmul_pallas
-from tests.ops.test_lowering import DEVICES, _lower
+from tools.lowering import DEVICES, lower as _lower
 
 SH = bench.Shape(D=256, F=256, E=4, TOPK=2, NPROJ=32)
 

@@ -13,7 +13,7 @@ import pytest
 from ops import gated_delta as gd
 from ops import gated_delta_chunk_pallas as chunk_pallas
 from ops import gated_delta_step_pallas as step_pallas
-from tests.ops.test_lowering import DEVICES, _lower
+from tools.lowering import DEVICES, lower as _lower
 
 EPS = 1e-6
 RTOL = 1e-5

@@ -11,7 +11,7 @@ import pytest
 
 from ops import attention, attention_pallas, rmsnorm_pallas, router_pallas
 from ops.layers import rms_norm
-from tests.ops.test_lowering import DEVICES, _lower
+from tools.lowering import DEVICES, lower as _lower
 
 RNG = np.random.default_rng(0)
 

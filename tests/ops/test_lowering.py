@@ -1,34 +1,17 @@
 """Lower every quantized kernel to Triton for an abstract CUDA device (H200) and an abstract ROCm device (MI300,
-gfx942) from this CPU-only jaxlib: `AbstractDevice` in an `AbstractMesh` under `use_abstract_mesh`, then
-`jit(...).trace(...).lower(lowering_platforms=(...))`. Catches Triton-lowering errors (unsupported primitives,
+gfx942) from this CPU-only jaxlib (tools.lowering). Catches Triton-lowering errors (unsupported primitives,
 non-power-of-two tensors, multi-axis reductions under a mesh) that interpret mode does not see.
 """
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
-from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul_pallas, quant, repack
-from ops.qtensor import QTensor
-
-DEVICES = {"cuda": "NVIDIA H200", "rocm": "gfx942"}
-
-
-def _abstract_qtensor(qtype, shape):
-  nb = shape[-1] // quant.GGML_TYPES[qtype][0]
-  planes = tuple(jax.ShapeDtypeStruct((*shape[:-1], nb, *f.shape), jnp.dtype(f.dtype)) for f in repack.LAYOUTS[qtype])
-  return QTensor(planes, qtype, shape[-1], "pallas")
-
-
-def _lower(platform, fn, *args) -> str:
-  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(DEVICES[platform], None, platform))
-  with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-    warnings.simplefilter("ignore", DeprecationWarning)       # the Pallas Triton backend warns it is deprecated
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+from ops import moe_grouped_pallas, moe_pallas, qgemm_pallas, qmatmul_pallas, quant
+from tools.lowering import DEVICES
+from tools.lowering import abstract_qtensor as _abstract_qtensor
+from tools.lowering import lower as _lower
 
 
 @pytest.mark.parametrize("platform", list(DEVICES))

@@ -13,7 +13,7 @@ from ops import attention, prefill_attention_pallas as pa
 from ops.attention import ring_attention_ref
 from ops.kv_write import quantize_int8
 from ops.tuning import Tunings
-from tests.ops.test_lowering import DEVICES, _lower
+from tools.lowering import DEVICES, lower as _lower
 
 
 def _ring(R, Hkv, Dh, dtype, rng, layers=None):

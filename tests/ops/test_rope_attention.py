@@ -12,7 +12,7 @@ import pytest
 from ops import attention_pallas as ap
 from ops import rope_attention_pallas as ra
 from ops import rope_write_pallas as rw
-from tests.ops.test_lowering import DEVICES, _lower
+from tools.lowering import DEVICES, lower as _lower
 from tests.ops.test_rope_write import _case
 
 BLOCK = 16

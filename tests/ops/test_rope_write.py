@@ -9,7 +9,7 @@ import pytest
 
 from ops import rope_write_pallas as rw
 from ops.kv_write import STORE, write_rows
-from tests.ops.test_lowering import DEVICES, _lower
+from tools.lowering import DEVICES, lower as _lower
 
 
 def _case(T, Hq, Hkv, Dh, R, dtype, seed=0, qk_norm=True):
