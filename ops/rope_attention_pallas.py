@@ -60,6 +60,8 @@ def rope_attention_ref(qkv_TN, q_norm, k_norm, pos_T, ring_kv, length, *, n_head
 def _kernel(meta_ref, qpos_ref, lo_ref, freq_ref, qkv_ref, *refs, bk: int, capacity: int, quant: bool, tc: bool,
             dots: str, T: int, G: int, P: int, Hq: int, Hkv: int, Dh: int, half: int, offset: int, eps: float,
             qk_norm: bool, scale: float, n_splits: int, with_q: bool):
+  """Program (h, s): kv head h's q rows and new rows from qkv, its strided tiles (the split kernel's loop), and
+  with s == 0 the ring write (and q out)."""
   refs = list(refs)
   qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if qk_norm else (None, None)
   k_ref, v_ref = refs.pop(0), refs.pop(0)
