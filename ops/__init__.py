@@ -4,8 +4,9 @@ of the routed experts' gate/up, whose x the RMSNorm kernel before them rounds) a
 dequantized pieces: `qgemm_pallas`, `moe_grouped_pallas`), attention over the KV ring (decode: `attention_pallas`;
 prefill: `prefill_attention_pallas`, the GPU default since it was measured), RoPE, RMSNorm, the per-token glue
 kernels of decode and verify passes (`rmsnorm_pallas`, `router_pallas`, `rope_write_pallas`: batch-invariant
-norms, routing and ring writes; `norm_router_pallas`: the FFN norm and the router logits in one launch, one of the
-launch fusions `Tunings.fuse` names). Each kernel's tuning is a static argument over its table (`ops/tuning.py`); the
+norms, routing and ring writes; `norm_router_pallas`: the FFN norm and the router logits in one launch, and
+`rope_attention_pallas`: RoPE and the ring write inside the decode attention kernel, two of the launch fusions
+`Tunings.fuse` names). Each kernel's tuning is a static argument over its table (`ops/tuning.py`); the
 kernel benchmarks live in the top-level `bench/` package. ops/ imports nothing above it."""
 import jax
 
