@@ -19,6 +19,8 @@
 #             trace per variant, ~4 min). Right after x8norm: a fusion that measures no gain is deleted
 #   fusehyb   issues 26 item 5 / 27: the fusions on the hybrid seed-mtp step (-5 or -6 launches a layer) and replay
 #             k = 3 against plain at 1K with them (~8 min)
+#   kcache    compile time: XLA's kernel cache file across programs and processes (~7 min). If it cuts the second
+#             program's compile, env.sh sets it for every call (a seed4 arm's cold compile is 110-430 s)
 #   x8anchor  issue 27: llama.cpp and ours with and without x8 on one 30B file at 1K, same call (~6 min; carry .whl
 #             and .anchor: `mkdir -p .anchor && cp ../shared/anchor/{llama_cpp_cuda_sm90.tar.xz,llama_bench.py} .anchor/`;
 #             .whl also needs diskcache's wheel for llama-cpp-python: `cp /opt/pypi/files/diskcache-*.whl .whl/`)
@@ -117,6 +119,18 @@ fusetrace)  # the traces of PART=fuse's variants (launches and kernel time a ste
     --interleave --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/fuse-step.log | tail -4
   GX=on,on/fuse=residual+router+topk+rope,on/x8=dp4a/fuse=residual+router+topk+rope TX=${TX:-120} PART=x8trace \
     bash scripts/gpu/next_session.sh ;;
+kcache)  # compile time (every cold call pays it: a seed4 arm's compiling run is 110-430 s): does XLA's kernel cache
+  # file (--xla_gpu_kernel_cache_file) keep the Pallas kernels' compiled code across programs and processes? Each
+  # process has its own empty jax cache (no executable reuse); rings 4,096 and 8,192 share every kernel but the
+  # attention's. Without the kernel cache, then with it (the first fills it); first_run_s is the compile (~7 min)
+  K=$PWD/.jaxcache/kernels.bin; rm -f $K
+  for kc in "" "--xla_gpu_kernel_cache_file=$K"; do
+    for R in 4096 8192; do
+      JAX_COMPILATION_CACHE_DIR=$(mktemp -d) XLA_FLAGS="${XLA_FLAGS:-} $kc" timeout ${TK:-110} $S30 --steps 8 \
+        --repeats 1 --cells $R:1024:auto:pallas --out $OUT/kcache.jsonl 2>&1 | filt | tee -a $OUT/kcache.log | tail -2
+    done
+  done
+  ls -la $K; grep -o '"first_run_s": [0-9.]*' $OUT/kcache.jsonl ;;
 x8anchor)  # issue 27 items 1-2 with x8: llama.cpp (../shared/anchor's tarball and llama_bench.py copied into .anchor/,
   # carried) and ours with and without x8 on one 30B file at 1K (EXPERTS=Q4_K for the other expert type); ~6 min
   PRESET=qwen3moe-30b-a3b EXPERTS=${EXPERTS:-IQ3_S} GLUES="on on/x8=dp4a" PART=short1k TO=${TO:-150} \
