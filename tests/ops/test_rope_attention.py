@@ -76,16 +76,19 @@ def test_fold_is_the_two_kernels_bitwise(T, Hq, Hkv, Dh, rope_dim, dtype, qk_nor
 def test_a_verify_pass_is_its_steps_bitwise_on_any_ring():
   """Rows of a 4-token pass equal four one-token steps, each writing its row first (DESIGN invariant 3), and a
   64-slot ring gives what a 128-slot ring gives at a depth both hold (invariants 1 and 2); the pass's tiles span a
-  tile boundary (positions 30..33, bk 16)."""
+  tile boundary (positions 30..33, bk 16). Then a pass across the 64-slot ring's wrap (positions 62..65, slots 62,
+  63, 0, 1: its first tile's slots 0 and 1 are rewritten while that tile is read, masked), with each row's window
+  of 60 positions as beside a host tier (without one the ring holds the whole context and never wraps)."""
   T, Hq, Hkv, Dh = 4, 8, 2, 32
   kw = _kw(Hq, Hkv, Dh, Dh)
   outs = {}
-  for R in (64, 128):
+  for R, start in ((64, 30), (128, 30), (64, 62)):
     qkv, qn, kn, ring = _case(T, Hq, Hkv, Dh, R, "int8", seed=2)
     old = jax.random.normal(jax.random.PRNGKey(9), (R, Hkv, Dh))
-    ring = rw.write_rows(*ring, jnp.arange(R), old, old * 0.5, "int8")   # the same 30 old positions on both rings
-    pos = jnp.arange(30, 34, dtype=jnp.int32)
-    call = lambda x, p, r: ra.rope_attention_pallas(x, qn, kn, p, r, p[-1] + 1, interpret=True,  # noqa: E731
+    ring = rw.write_rows(*ring, jnp.arange(R), old, old * 0.5, "int8")   # the same old positions on both rings
+    pos = jnp.arange(start, start + T, dtype=jnp.int32)
+    lo = (lambda p: p + 1 - 60) if start > R - T else (lambda p: None)      # noqa: E731
+    call = lambda x, p, r: ra.rope_attention_pallas(x, qn, kn, p, r, p[-1] + 1, lo(p), interpret=True,  # noqa: E731
                                                     block=BLOCK, scale=0.2, **kw)
     full, full_ring = call(qkv, pos, ring)
     steps, r = [], ring
@@ -95,8 +98,8 @@ def test_a_verify_pass_is_its_steps_bitwise_on_any_ring():
     np.testing.assert_array_equal(np.asarray(full), np.concatenate([np.asarray(o) for o in steps]))
     for a, b in zip(_leaves(full_ring), _leaves(r)):
       np.testing.assert_array_equal(a, b)
-    outs[R] = np.asarray(full)
-  np.testing.assert_array_equal(outs[64], outs[128])
+    outs[R, start] = np.asarray(full)
+  np.testing.assert_array_equal(outs[64, 30], outs[128, 30])
 
 
 def test_dispatch_falls_back_and_refuses_bad_impls():
