@@ -9,8 +9,10 @@ with ptxas and cuobjdump inside it):
   TRITON_ALWAYS_COMPILE=1 /path/to/venv-with-triton/bin/python scripts/kernel_sass.py compile DIR
 
 `compile` runs Triton's TTIR passes first (XLA runs the same pipeline on a GPU: canonicalize, combine, ...), then
-the sm_90 pipeline, and prints one line per kernel. What it cannot show: time. A spill, a second accumulator or a
-missing MMA fold shows here; whether a kernel is faster is a GPU measurement (docs/PERF.md).
+the sm_90 pipeline, and prints one line per kernel, with the seconds Triton took to compile it (ptxas included:
+about what XLA's own Triton pays per distinct kernel of a program it compiles). What it cannot show: run time. A
+spill, a second accumulator or a missing MMA fold shows here; whether a kernel is faster is a GPU measurement
+(docs/PERF.md).
 Used for the prefill GEMM's accumulator fold (docs/PERF.md "Prefill"); a dev tool, not run by the tests.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 
 # --------------------------------------------------------------------------------------- dump (project venv)
@@ -185,7 +188,9 @@ def compile_dir(in_dir):
     path = os.path.join(in_dir, name)
     with open(path[:-5] + ".json") as f:
       opts = json.load(f)
+    t0 = time.perf_counter()
     k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=opts)
+    seconds = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
       cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
       open(cubin, "wb").write(k.asm["cubin"])
@@ -200,7 +205,7 @@ def compile_dir(in_dir):
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     ops = Counter(o.split(".")[0] for o in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass))
     top = ", ".join(f"{o} {n}" for o, n in ops.most_common(8))
-    print(f"{name[:-5]}: warps {opts['num_warps']}, regs {regs and regs.group(1)}, spill st/ld "
+    print(f"{name[:-5]}: compiled in {seconds:.2f} s, warps {opts['num_warps']}, regs {regs and regs.group(1)}, spill st/ld "
           f"{spill and spill.group(1)}/{spill and spill.group(2)} B, smem {k.metadata.shared} B, SASS "
           f"{sum(ops.values())} (MMA {sum(ops[o] for o in ('HGMMA', 'HMMA', 'IGMMA', 'IMMA', 'QGMMA'))}; {top})")
 
