@@ -269,6 +269,33 @@ def row_values(ref, *, T: int, G: int, P: int):
   return ref[jnp.minimum(r // G, T - 1)]
 
 
+def live_window(length, lo_T, q_pos_T, capacity: int, bk: int):
+  """(lo_T [T], first live tile, live tile count) of a call: each row's first visible position (lo_T None: every
+  row's is max(length - R, 0); given: at least that, older slots are overwritten), the oldest row's first tile, and
+  the tiles up to the last query's."""
+  T = q_pos_T.shape[0]
+  oldest = jnp.maximum(jnp.asarray(length, jnp.int32) - capacity, 0)
+  lo_T = jnp.full((T,), oldest, jnp.int32) if lo_T is None else jnp.maximum(jnp.asarray(lo_T, jnp.int32), oldest)
+  first = jnp.min(lo_T) // bk
+  return lo_T, first, jnp.max(q_pos_T) // bk - first + 1
+
+
+def whole(x):
+  """A block of all of x for every program of a (Hkv, S) grid."""
+  return pl.BlockSpec(x.shape, lambda h, s: (0,) * x.ndim)
+
+
+def partial_outputs(Hkv: int, S: int, P: int, Dh: int):
+  """(out_shape, out_specs) of a split kernel's partials: acc [Hkv, S, P, Dh], m and l [Hkv, S, P], program (h, s)
+  writing its own block of each."""
+  f32 = jnp.float32
+  return ([jax.ShapeDtypeStruct((Hkv, S, P, Dh), f32), jax.ShapeDtypeStruct((Hkv, S, P), f32),
+           jax.ShapeDtypeStruct((Hkv, S, P), f32)],
+          [pl.BlockSpec((None, None, P, Dh), lambda h, s: (h, s, 0, 0)),
+           pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)),
+           pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0))])
+
+
 def _kernel(meta_ref, qpos_ref, lo_ref, q_ref, k_ref, v_ref, *refs, bk: int, capacity: int, quant: bool,
             count_visits: bool, tc: bool, dots: str, T: int, G: int, P: int, scale: float, n_splits: int):
   """Program (h, s): online softmax of q rows of kv head h over its live tiles i (i mod S == s), each row masked
@@ -324,28 +351,18 @@ def ring_attention_pallas(q_THDh, k_ring, v_ring, k_scale, v_scale, q_pos_T, len
   P = rows_padded(T, G)
   quant = k_scale is not None
 
-  length = jnp.asarray(length, jnp.int32)
   q_pos_T = jnp.asarray(q_pos_T, jnp.int32)
-  oldest = jnp.maximum(length - R, 0)
-  lo_T = jnp.full((T,), oldest, jnp.int32) if lo_T is None else jnp.maximum(jnp.asarray(lo_T, jnp.int32), oldest)
-  first = jnp.min(lo_T) // bk                                   # the oldest row's first tile
-  n_tiles = jnp.max(q_pos_T) // bk - first + 1
+  lo_T, first, n_tiles = live_window(length, lo_T, q_pos_T, R, bk)
   meta = jnp.stack([jnp.asarray(layer, jnp.int32), first, n_tiles, 0, 0, 0, 0, 0]).astype(jnp.int32)
 
   q = q_THDh.astype(jnp.float32).reshape(T * Hq, Dh)     # a free reshape: rows are gathered in the kernel
 
-  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s: (0,) * x.ndim)
   in_specs = [whole(meta), whole(q_pos_T), whole(lo_T), whole(q), whole(k_ring), whole(v_ring)]
   args = [meta, q_pos_T, lo_T, q, k_ring, v_ring]
   if quant:
     in_specs += [whole(k_scale), whole(v_scale)]
     args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
-  out_shape = [jax.ShapeDtypeStruct((Hkv, S, P, Dh), jnp.float32),
-               jax.ShapeDtypeStruct((Hkv, S, P), jnp.float32),
-               jax.ShapeDtypeStruct((Hkv, S, P), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, None, P, Dh), lambda h, s: (h, s, 0, 0)),
-               pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)),
-               pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0))]
+  out_shape, out_specs = partial_outputs(Hkv, S, P, Dh)
   if count_visits:
     out_shape.append(jax.ShapeDtypeStruct((Hkv, S, P), jnp.int32))
     out_specs.append(pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)))

@@ -186,12 +186,8 @@ def rope_attention_pallas(qkv_TN, q_norm, k_norm, pos_T, ring_kv, length, lo_T=N
   half = rope_dim // 2
 
   pos_T = jnp.asarray(pos_T, jnp.int32)
-  length = jnp.asarray(length, jnp.int32)
-  oldest = jnp.maximum(length - R, 0)
-  lo_T = jnp.full((T,), oldest, jnp.int32) if lo_T is None else jnp.maximum(jnp.asarray(lo_T, jnp.int32), oldest)
-  first = jnp.min(lo_T) // bk
-  meta = jnp.stack([jnp.int32(0), first, jnp.max(pos_T) // bk - first + 1, jnp.min(pos_T) // bk,
-                    0, 0, 0, 0]).astype(jnp.int32)
+  lo_T, first, n_tiles = ap.live_window(length, lo_T, pos_T, R, bk)
+  meta = jnp.stack([jnp.int32(0), first, n_tiles, jnp.min(pos_T) // bk, 0, 0, 0, 0]).astype(jnp.int32)
   freq = theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / rope_dim)           # as rope_neox
   args = [meta, pos_T, lo_T, freq, qkv_TN.astype(jnp.float32).reshape(-1)]
   if qk_norm:
@@ -199,24 +195,18 @@ def rope_attention_pallas(qkv_TN, q_norm, k_norm, pos_T, ring_kv, length, lo_T=N
   ring = [kr[None], vr[None]] + ([ks[None], vs[None]] if quant else [])
   first_ring = len(args)
   args += ring
-  whole = lambda x: pl.BlockSpec(x.shape, lambda h, s: (0,) * x.ndim)      # noqa: E731
-  out_shape = [jax.ShapeDtypeStruct((Hkv, S, P, Dh), jnp.float32),
-               jax.ShapeDtypeStruct((Hkv, S, P), jnp.float32),
-               jax.ShapeDtypeStruct((Hkv, S, P), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, None, P, Dh), lambda h, s: (h, s, 0, 0)),
-               pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0)),
-               pl.BlockSpec((None, None, P), lambda h, s: (h, s, 0))]
+  out_shape, out_specs = ap.partial_outputs(Hkv, S, P, Dh)
   if with_q:
     out_shape.append(jax.ShapeDtypeStruct((T * Hq * Dh,), jnp.float32))
-    out_specs.append(whole(out_shape[-1]))
+    out_specs.append(ap.whole(out_shape[-1]))
   n_out = len(out_shape)
   out_shape += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ring]
-  out_specs += [whole(a) for a in ring]
+  out_specs += [ap.whole(a) for a in ring]
   kernel = functools.partial(
       _kernel, bk=bk, capacity=R, quant=quant, tc=not interpret, dots=c.dots, T=T, G=G, P=P, Hq=Hq, Hkv=Hkv, Dh=Dh,
       half=half, offset=offset, eps=eps, qk_norm=qk_norm, scale=scale, n_splits=S, with_q=with_q)
   outs = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=[whole(a) for a in args], out_specs=out_specs,
+      kernel, out_shape=out_shape, grid=(Hkv, S), in_specs=[ap.whole(a) for a in args], out_specs=out_specs,
       input_output_aliases={first_ring + i: n_out + i for i in range(len(ring))},
       compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
       interpret=interpret, name="rope_ring_attention")(*args)
