@@ -15,10 +15,12 @@ rings and attention by K/V head over tp) runs the same requests:
 - and for the first architecture its IQ3_S mix (packed experts) under ep=2, restored from an orbax cache entry, and
   the trained default model (NextN drafts really accepted) under ep=2.
 The logits bound: a mesh changes only float32 summation orders (the sum over a token's top-k expert outputs per
-device, then the psum across devices; under tp whatever order XLA gives the partitioned program), an error of a few
-ulp of each MoE output. The bound is measured on the one-device run
-itself: its logits' change when every MoE output is scaled by (1 + 2^-22) (about four ulp; the "sensitivity", large
-in the tiny random hybrid models, whose DeltaNet layers amplify it), times 8, plus 1e-6 of the largest logit.
+device, then the psum across devices; under tp whatever order XLA gives the partitioned program, the projections'
+sums among them), an error of a few ulp of each MoE and projection output. The bound is measured on the one-device
+run itself: its logits' change when every MoE output and every projection's output is scaled by (1 + 2^-22) (about
+four ulp; the "sensitivity", large in the tiny random hybrid models, whose DeltaNet layers amplify it), times 8,
+plus 1e-6 of the largest logit. (With the MoE outputs alone, qwen3next under ep=2,tp=2 went 1.4x over the bound on
+one CPU and not on another: the projections' orders count too.)
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ def _drive(out_path: str) -> None:
   from model.options import LayerOps, Options
   from jax.sharding import PartitionSpec as P
   from ops import moe as moe_ops
+  from ops.layers import linear
   from tests.models import model_path
 
   assert len(jax.devices()) == 4
@@ -101,9 +104,10 @@ def _drive(out_path: str) -> None:
     m1 = load_model(path)
     ref, ref_ids = chain(m1, Options(), None)
     pert = lambda *x, **kw: moe_ops.moe(*x) * (1 + PERTURB)  # noqa: E731
+    pert_lin = lambda x, w, b=None: linear(x, w, b) * (1 + PERTURB)  # noqa: E731
     st = api.init_state(m1.cfg, 256)
     lp = api.prefill(m1.params, jnp.asarray(prompt, jnp.int32), st, cfg=m1.cfg,
-                     options=Options(layer_ops=LayerOps(moe=pert)))[0]
+                     options=Options(layer_ops=LayerOps(moe=pert, linear=pert_lin)))[0]
     r = res[arch] = {"ids": ref_ids, "sensitivity": float(np.abs(np.asarray(lp) - ref[:len(prompt)]).max()),
                      "max_logit": float(np.abs(ref).max()), "one_bytes": sum(device_bytes(m1.params).values())}
     for text in MESHES:
