@@ -150,8 +150,8 @@ class Attention(nn.Module):
 
   def _ring_attention(self, q_THDh, pos_T, cache: KVLayer, attn_block):
     """Attention of q [T, Hq, Dh] over the layer's ring alone (its new rows written): [T, Hq, Dh] float32."""
-    Dh = q_THDh.shape[-1]
-    length = cache.length + q_THDh.shape[0] + cache.scratch         # as _ring_window's
+    T, _, Dh = q_THDh.shape
+    length, _ = self._ring_window(pos_T, cache, T)                 # no tier here: written + T + scratch
     return attn_ops.ring_attention(q_THDh, *cache.arrays, pos_T, length, block=attn_block,
                                    scale=1.0 / float(Dh) ** 0.5, tunings=self.opts.tunings)
 

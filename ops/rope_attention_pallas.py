@@ -159,6 +159,7 @@ def _kernel(meta_ref, qpos_ref, lo_ref, freq_ref, qkv_ref, *refs, bk: int, capac
     if with_q:                               # rows past T*G repeat row T*G - 1's value: a duplicate store
       q_out[(t_r * Hq + h * G + r % G)[:, None] * Dh + col[None, :]] = q
 
+
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_kv_heads", "head_dim", "rope_dim", "theta", "offset", "eps",
                                              "block", "scale", "interpret", "tuning", "with_lse", "with_q"))
 def rope_attention_pallas(qkv_TN, q_norm, k_norm, pos_T, ring_kv, length, lo_T=None, *, n_heads: int,
