@@ -6,7 +6,7 @@ from absl import app
 
 GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, norm=W, "
               "xnat=T:B+T:B or 0, qmm=P, x8=dp4a|int, px8=dp4a|int, dx8=dp4a|int, tier=N, span=N (powers of two), "
-              "fuse=NAME+NAME")
+              "fuse=NAME+NAME, miss=L:G")
 
 
 def glue_options(spec: str):
@@ -28,6 +28,8 @@ def glue_options(spec: str):
     tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)
     span=N             positions per span of it, the pieces a row sees whole (ops.tuning.Tunings.tier_span)
     fuse=NAME+NAME     work moved into a neighbouring kernel (ops.tuning.FUSIONS; Tunings.fuse)
+    miss=L:G           the expert cache's miss copies in groups of L, the first G groups before its loop
+                       (Tunings.miss_lanes, miss_eager)
 
   >>> glue_options("on/rope=1")[1].rope_write
   Tuning(q_programs=1, num_warps=None)
@@ -76,6 +78,10 @@ def glue_options(spec: str):
       elif key == "fuse":
         kw["fuse"] = tuple(val.split("+"))
         Tunings(fuse=kw["fuse"])                           # names from FUSIONS, else ValueError
+      elif key == "miss":
+        lanes, eager = (int(a) for a in val.split(":"))
+        kw.update(miss_lanes=lanes, miss_eager=eager)
+        Tunings(miss_lanes=lanes, miss_eager=eager)        # lanes >= 1, eager >= 0, else ValueError
       elif key in ("tier", "span"):
         name = {"tier": "tier_block", "span": "tier_span"}[key]
         kw[name] = int(val)

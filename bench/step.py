@@ -8,10 +8,13 @@ random valid blocks built in memory (model.writer.random_params) of a preset's s
   python -m bench.step --preset qwen3moe-30b-a3b --rings 4096,32768,131072 --depths 1024
   python -m bench.step --preset qwen3moe-30b-a3b --rings 131072 --depths 1024,8192,32768,131072
   python -m bench.step --cells 32768:131072:auto:pallas:139264     # a 32K ring + host tier at 128K depth
+  python -m bench.step --preset seed-mtp --cells 4096:1024:auto:pallas::15800 --glue on,on/miss=4:1
 
 A fifth cell field C (max_context) adds a host tier of C positions (model/host_tier.py, pinned host memory on
 a GPU): the ring holds the newest R positions of `depth`, the tier the older ones, and every step evicts one
-position into the tier and merges the two attentions (log-sum-exp).
+position into the tier and merges the two attentions (log-sum-exp). A sixth field N runs the routed experts
+through an expert cache of N device slots (model/expert_cache.py) over a store in pinned host memory on a GPU;
+its slots start empty, so the timed repeats run warm after the compiling run, and the record has their hit rate.
 """
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ flags.DEFINE_list("depths", ["1024"], "live positions before timing")
 flags.DEFINE_list("kernels", ["xla"], "quantized kernels: xla | pallas")
 flags.DEFINE_list("attn", ["auto"], "attention on the GPU: auto (the dispatcher's default) | ref | pallas | a kernel "
                   "spec dots/bk/warps/stages (e.g. bf16x2/128/8/3: the kernel so tuned)")
-flags.DEFINE_list("cells", None, "explicit cells ring:depth[:attn[:kernels[:max_context]]] (instead of the rings x "
-                  "depths grid); max_context > ring adds a host tier")
+flags.DEFINE_list("cells", None, "explicit cells ring:depth[:attn[:kernels[:max_context[:slots]]]] (instead of the "
+                  "rings x depths grid); max_context > ring adds a host tier, slots an expert cache of that many "
+                  "slots over a pinned-host store")
 flags.DEFINE_string("kv", "int8", "KV dtype")
 flags.DEFINE_integer("steps", 64, "timed decode steps per cell")
 flags.DEFINE_integer("repeats", 3, "timed repeats (median)")
@@ -119,9 +123,10 @@ class StepTimer:
   of an A/B can take turns (--interleave). The state is donated to the loop, so each run starts from the previous
   one's state rewound. options: the model's (model.options.Options; None: the defaults)."""
 
-  def __init__(self, params, cfg, ring, steps: int, host=None, options=None):
+  def __init__(self, params, cfg, ring, steps: int, host=None, options=None, experts=None):
     from model.options import DEFAULT
     self.params, self.cfg, self.ring, self.host, self.steps = params, cfg, ring, host, steps
+    self.experts = experts                                        # an expert cache (None: every expert resident)
     self.kw = dict(cfg=cfg, temperature=0.0, top_p=1.0, options=options or DEFAULT)
     self.base_len, self.ls = int(ring.length), None
 
@@ -137,9 +142,9 @@ class StepTimer:
     from model import api
     from model.recurrent import RecurrentState
     rec = RecurrentState.create(self.cfg) if self.cfg.recurrent_layers else None     # a hybrid model's DeltaNet state
-    st = (api.ModelState(self.ring, host=self.host, recurrent=rec) if self.ls is None
+    st = (api.ModelState(self.ring, host=self.host, recurrent=rec, experts=self.experts) if self.ls is None
           else self.ls.model.replace(ring=self.ls.model.ring.rewind(self.base_len)))
-    self.ring = self.host = None                                  # the loop donates them
+    self.ring = self.host = self.experts = None                   # the loop donates them
     st, held = api.split_idle_tier(st, self.base_len + self.steps)   # inside the window: ring-only, as a request's
     ls = LoopState(st, jnp.zeros((self.steps + 1,), jnp.int32), jnp.ones((), jnp.int32), jnp.int32(1),
                    jax.random.PRNGKey(0), jnp.zeros((), bool), jnp.int32(-1))
@@ -154,6 +159,11 @@ class StepTimer:
       dt = time.perf_counter() - t0
     self.ls = ls.replace(model=api.join_tier(ls.model, held))
     return dt
+
+  def expert_counts(self) -> tuple[int, int]:
+    """(hits, misses) of the expert cache so far, over every block; (0, 0) without one."""
+    ec = self.ls.model.experts if self.ls is not None else None
+    return (int(ec.hits.sum()), int(ec.misses.sum())) if ec is not None else (0, 0)
 
 
 def main(argv):
@@ -182,19 +192,32 @@ def main(argv):
   commit, device = _commit(), _device()
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   rows = []
-  cells = [(int(r), int(d), kn, at, None) for r in FLAGS.rings for d in FLAGS.depths for kn in FLAGS.kernels
+  cells = [(int(r), int(d), kn, at, None, None) for r in FLAGS.rings for d in FLAGS.depths for kn in FLAGS.kernels
            for at in FLAGS.attn if int(d) <= int(r)]
   if FLAGS.cells:
     cells = []
     for c in FLAGS.cells:
       parts = c.split(":")
-      parts += ["auto", FLAGS.kernels[0], ""][len(parts) - 2:]
-      cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2], int(parts[4]) if parts[4] else None))
+      if not 2 <= len(parts) <= 6:
+        raise app.UsageError(f"--cells {c!r}: expected ring:depth[:attn[:kernels[:max_context[:slots]]]]")
+      parts += ["auto", FLAGS.kernels[0], "", ""][len(parts) - 2:]
+      cells.append((int(parts[0]), int(parts[1]), parts[3], parts[2], int(parts[4]) if parts[4] else None,
+                    int(parts[5]) if parts[5] else None))
   cells = [c + (rw,) for c in cells for rw in FLAGS.glue]
-  for _, _, _, at, _, rw in cells:
+  for _, _, _, at, _, _, rw in cells:
     cell_options(rw, at, FLAGS.attn_kernel)
+  stores = {}                                   # kernels -> the params with the store in pinned host memory
 
-  def build(R, depth, kn, at, C, rw):
+  def cell_params(kn, slots):
+    """The cell's params, and its expert cache (None: every expert resident)."""
+    from model import expert_cache as xc
+    if slots is None:
+      return with_kernels(params, kn), None
+    if kn not in stores:
+      stores[kn] = xc.place_store(with_kernels(params, kn), cfg)
+    return stores[kn], xc.create(stores[kn], cfg, slots)
+
+  def build(R, depth, kn, at, C, slots, rw):
     """The cell's StepTimer and its host tier's capacity (None: no tier)."""
     if C is not None and C < depth + FLAGS.steps + 1:
       raise ValueError(f"max_context {C} < depth {depth} + {FLAGS.steps + 1} steps")
@@ -203,51 +226,60 @@ def main(argv):
     ring = fill_ring(ring, depth, wrap=host_cap is not None)
     host = fill_host(ring, depth, host_cap) if host_cap else None
     opts = cell_options(rw, at, FLAGS.attn_kernel)
-    return StepTimer(with_kernels(params, kn), cfg, ring, FLAGS.steps, host, opts), host_cap
+    p, experts = cell_params(kn, slots)
+    return StepTimer(p, cfg, ring, FLAGS.steps, host, opts, experts), host_cap
 
   def failed(cell, e):
-    R, depth, kn, at, _, rw = cell
+    R, depth, kn, at, _, _, rw = cell
     print(f"cell R={R} depth={depth} {kn}/{at} glue {rw}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
           file=sys.stderr)
 
   def runs():
-    """(cell, seconds per step of each timed repeat, seconds of the first run, host tier capacity) of every cell
-    that ran: cell by cell, or (--interleave) all compiled first and then their repeats in turns."""
+    """(cell, seconds per step of each timed repeat, seconds of the first run, host tier capacity, the expert
+    cache's hit rate over the timed repeats or None) of every cell that ran: cell by cell, or (--interleave) all
+    compiled first and then their repeats in turns."""
+
+    def hit_rate(timer, before):
+      h, m = (a - b for a, b in zip(timer.expert_counts(), before))
+      return h / (h + m) if h + m else None
     if not FLAGS.interleave:
       for cell in tqdm(cells, desc="cells", file=sys.stderr):
         timer = None                          # the last cell's state goes before this one's is built
         try:
           timer, host_cap = build(*cell)
           first = timer.run()
+          before = timer.expert_counts()
           ts = [timer.run() / FLAGS.steps for _ in range(FLAGS.repeats)]
+          hits = hit_rate(timer, before)
           if FLAGS.profile:
-            R, depth, kn, at, _, rw = cell
+            R, depth, kn, at, _, _, rw = cell
             name = f"R{R}-d{depth}-{kn}-{at}-glue{rw}".replace("/", "_").replace(":", "-")
             timer.run(os.path.join(FLAGS.profile, name))
         except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
           failed(cell, e)
           continue
-        yield cell, ts, first, host_cap
+        yield cell, ts, first, host_cap, hits
       return
     timers = {}
     for cell in tqdm(cells, desc="compile", file=sys.stderr):
       try:
         timer, host_cap = build(*cell)
-        timers[cell] = (timer, timer.run(), host_cap, [])
+        first = timer.run()
+        timers[cell] = (timer, first, host_cap, [], timer.expert_counts())
       except Exception as e:  # noqa: BLE001
         failed(cell, e)
     for _ in tqdm(range(FLAGS.repeats), desc="rounds", file=sys.stderr):
-      for timer, _, _, ts in timers.values():
+      for timer, _, _, ts, _ in timers.values():
         ts.append(timer.run() / FLAGS.steps)
-    for cell, (_, first, host_cap, ts) in timers.items():
-      yield cell, ts, first, host_cap
+    for cell, (timer, first, host_cap, ts, before) in timers.items():
+      yield cell, ts, first, host_cap, hit_rate(timer, before)
 
   with open(FLAGS.out, "a") as f:
-    for (R, depth, kn, at, C, rw), ts, first_s, host_cap in runs():
+    for (R, depth, kn, at, C, slots, rw), ts, first_s, host_cap, hits in runs():
       spec = at.replace("/", ":") if at.split("/")[0] in DOTS else None
       ms = sorted(ts)[len(ts) // 2] * 1e3
       rec = {"preset": FLAGS.preset, "experts": FLAGS.experts, "kv": FLAGS.kv, "ring": R, "depth": depth, "kernels": kn,
-             "host_tier": host_cap,
+             "host_tier": host_cap, "expert_slots": slots, "expert_hit_rate": hits,
              "attn": at, "fuse_qkv": FLAGS.fuse_qkv, "glue": rw, "interleaved": FLAGS.interleave,
              "attn_kernel": spec or FLAGS.attn_kernel or table_dots,
              "ms_per_step": ms,
@@ -257,15 +289,17 @@ def main(argv):
       f.write(json.dumps(rec) + "\n")
       f.flush()
       rows.append(rec)
-      print(f"R={R} depth={depth} {kn}/{at} glue {rw}{f' host {host_cap}' if host_cap else ''}: {ms:.3f} ms/step "
-            f"(first run {first_s:.1f} s)", file=sys.stderr)
+      cache = f" slots {slots} ({hits:.1%} hits)" if slots is not None and hits is not None else ""
+      print(f"R={R} depth={depth} {kn}/{at} glue {rw}{f' host {host_cap}' if host_cap else ''}{cache}: "
+            f"{ms:.3f} ms/step (first run {first_s:.1f} s)", file=sys.stderr)
   print(f"\n{FLAGS.preset} ({FLAGS.experts} experts, {FLAGS.other} other, {FLAGS.kv} KV), {device}, commit {commit}, "
         f"{FLAGS.steps} steps x {FLAGS.repeats}\n")
-  print("| ring | host tier | depth | kernels | attn | glue | ms/step | tok/s |\n"
-        "| ---: | ---: | ---: | --- | --- | --- | ---: | ---: |")
+  print("| ring | host tier | depth | expert slots (hits) | kernels | attn | glue | ms/step | tok/s |\n"
+        "| ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |")
   for r in rows:
-    print(f"| {r['ring']} | {r['host_tier'] or '-'} | {r['depth']} | {r['kernels']} | {r['attn']} | {r['glue']} | {r['ms_per_step']:.3f} | "
-          f"{1e3 / r['ms_per_step']:.1f} |")
+    slots = "-" if r["expert_slots"] is None else f"{r['expert_slots']} ({(r['expert_hit_rate'] or 0):.1%})"
+    print(f"| {r['ring']} | {r['host_tier'] or '-'} | {r['depth']} | {slots} | {r['kernels']} | {r['attn']} | "
+          f"{r['glue']} | {r['ms_per_step']:.3f} | {1e3 / r['ms_per_step']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -256,21 +256,30 @@ def create(params: dict, cfg: ModelConfig, n_slots: int, policy: str = "lru") ->
 
 
 def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: QTensor, down: QTensor,
-           n_experts: int):
+           n_experts: int, lanes: int = 1, eager: int = 0):
   """Make experts ids_M of `block` resident; returns (slot ids [M], cache). Slots needed by this call are never
   evicted by it (requires M <= the pool's slots). A miss copies its expert's rows from the store (gate, up, down:
   the params' tensors, possibly in pinned host memory) into the evicted slot; a hit moves nothing.
 
-  Hits, victims and stamps are computed for all M entries at once; only the copies run in a loop, one iteration
-  per distinct missing expert (`lax.while_loop` with the miss count as its bound). On a GPU each loop test and
-  each conditional waits for the device, so the count of those waits per layer is what a cached step pays
-  beyond its copies: misses + 1 here (an earlier version looped over all M entries with a conditional each:
-  2 M waits). Victims: the misses, in entry order, take the slots with the lowest stamp (LRU clock or LFU
-  count) among those no hit of this call uses, lowest slot first on ties."""
+  Hits, victims and stamps are computed for all M entries at once; only the copies run in a loop. The distinct
+  misses go in groups of `lanes` (one scatter per plane a group; a group's lanes past the last miss fetch a row
+  and write nothing): the first `eager` groups unconditionally, the rest in a `lax.while_loop` with the miss count
+  as its bound. On a GPU each loop test waits for the device (its predicate goes to the host), so a layer pays
+  ceil(max(misses - eager x lanes, 0) / lanes) + 1 waits (none when eager x lanes >= M: no loop) for at most
+  lanes - 1 wasted row copies a layer (eager groups: whole groups when the layer misses less). lanes 1, eager 0:
+  misses + 1 waits, no wasted copy. Victims: the misses, in entry order, take the slots with the lowest stamp (LRU
+  clock or LFU count) among those no hit of this call uses, lowest slot first on ties. The state is the same
+  whatever `lanes` and `eager` are."""
+  if lanes < 1 or eager < 0:
+    raise ValueError(f"expert cache copies: lanes {lanes} (expected >= 1), eager {eager} (expected >= 0)")
   p = cache.pool_of_block[block]
   pool = cache.pools[p]
   S = pool.n_slots
   M = ids_M.shape[0]
+  lanes = min(lanes, M)
+  groups = -(-M // lanes)
+  eager = min(eager, groups)
+  nb = cache.slot_of.shape[0]
   clock = cache.clock + 1
   m_M = jnp.arange(M)
   slot_M = cache.slot_of[block, ids_M]
@@ -283,18 +292,35 @@ def ensure(cache: ExpertCache, block: int, ids_M: jax.Array, gate: QTensor, up: 
   victims = jax.lax.top_k(-jnp.where(held, _BIG, pool.stamp), M)[1].astype(jnp.int32)
   missing = jnp.nonzero(miss_M, size=M, fill_value=0)[0]          # entry index of the i-th distinct miss
 
-  def load(carry):
-    i, pool, slot_of = carry
-    v, e = victims[i], ids_M[missing[i]]
-    old = pool.owner[v]
-    slot_of = jnp.where(old >= 0, slot_of.at[old // n_experts, old % n_experts].set(-1), slot_of)
-    put = lambda dst, src: tuple(jax.lax.dynamic_update_slice_in_dim(d, _fetch(s_, e), v, axis=0)  # noqa: E731
-                                 for d, s_ in zip(dst, _planes(src)))
-    pool = pool.replace(gate=put(pool.gate, gate), up=put(pool.up, up), down=put(pool.down, down),
-                        owner=pool.owner.at[v].set(block * n_experts + e), stamp=pool.stamp.at[v].set(0))
-    return i + 1, pool, slot_of.at[block, e].set(v)
+  def load(j, pool, slot_of):
+    """Copy group j: the misses j x lanes .. (j + 1) x lanes - 1 below n_miss (the others are dropped: index S,
+    or block row nb, is out of range). A victim's old owner is never one of this call's experts (it would be a
+    hit, holding the slot), so a group's evictions and loads commute."""
+    i_L = j * lanes + jnp.arange(lanes)
+    live_L = i_L < n_miss
+    i_L = jnp.minimum(i_L, M - 1)
+    v_L, e_L = victims[i_L], ids_M[missing[i_L]]
+    dst_L = jnp.where(live_L, v_L, S)
+    old_L = pool.owner[v_L]
+    slot_of = slot_of.at[jnp.where(live_L & (old_L >= 0), old_L // n_experts, nb), old_L % n_experts].set(
+        -1, mode="drop")
 
-  _, pool, slot_of = jax.lax.while_loop(lambda c: c[0] < n_miss, load, (jnp.int32(0), pool, cache.slot_of))
+    def put(dst, src):
+      return tuple(d.at[dst_L].set(jnp.concatenate([_fetch(s_, e_L[a]) for a in range(lanes)]), mode="drop")
+                   for d, s_ in zip(dst, _planes(src)))
+    pool = pool.replace(gate=put(pool.gate, gate), up=put(pool.up, up), down=put(pool.down, down),
+                        owner=pool.owner.at[dst_L].set(block * n_experts + e_L, mode="drop"),
+                        stamp=pool.stamp.at[dst_L].set(0, mode="drop"))
+    return pool, slot_of.at[jnp.where(live_L, block, nb), e_L].set(v_L, mode="drop")
+
+  slot_of = cache.slot_of
+  for j in range(eager):
+    pool, slot_of = load(j, pool, slot_of)
+  if eager < groups:
+    def body(c):
+      j, pool, slot_of = c
+      return (j + 1,) + load(j, pool, slot_of)
+    _, pool, slot_of = jax.lax.while_loop(lambda c: c[0] * lanes < n_miss, body, (jnp.int32(eager), pool, slot_of))
   slots = slot_of[block, ids_M]
   used = jnp.zeros((S,), bool).at[slots].set(True)
   stamp = jnp.where(used, clock, pool.stamp) if cache.policy == "lru" else pool.stamp + used.astype(jnp.int32)

@@ -118,7 +118,9 @@ class MoE(nn.Module):
       gate, up, down = (xc.to_device(t, after=x_TD) for t in (gate, up, down))
       y = moe(x_TD, ids_TX, w_TX, gate, up, down, **x8_kw(x8), **_parts_kw(parts, self.opts))
     else:
-      y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe, x8)
+      tun = self.opts.tunings
+      copies = dict(lanes=pick(tun, "miss_lanes") or 1, eager=pick(tun, "miss_eager") or 0)
+      y, experts = _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, self.index, E, moe, x8, copies)
     return with_shared(y), experts
 
   def _routes_in_kernel(self, T, router, gate, up, down, experts) -> bool:
@@ -136,19 +138,21 @@ def _parts_kw(parts: bool, opts: Options) -> dict:
   return {"parts": True} if parts and (opts.layer_ops is None or opts.layer_ops.moe is None) else {}
 
 
-def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, moe, x8=None):
+def _cached_moe(x_TD, ids_TX, w_TX, gate, up, down, experts, block, n_experts, moe, x8=None, copies=None):
   """The routed experts through the expert cache: all of a step's experts at once when they fit the pool
-  (bitwise the computation of the all-resident path), else token by token (each rounding its own x8)."""
+  (bitwise the computation of the all-resident path), else token by token (each rounding its own x8). copies:
+  `ensure`'s lanes and eager (Tunings.miss_lanes / miss_eager)."""
+  copies = copies or {}
   T, X = ids_TX.shape
   S = experts.pools[experts.pool_of_block[block]].n_slots
   if T * X <= S:
-    slots, experts = xc.ensure(experts, block, ids_TX.reshape(-1), gate, up, down, n_experts)
+    slots, experts = xc.ensure(experts, block, ids_TX.reshape(-1), gate, up, down, n_experts, **copies)
     g, u, d = xc.pool_tensors(experts, block, gate, up, down)
     return moe(x_TD, slots.reshape(T, X), w_TX, g, u, d, **x8_kw(x8)), experts
 
   def tok(t, carry):
     y, ec = carry
-    slots, ec = xc.ensure(ec, block, ids_TX[t], gate, up, down, n_experts)
+    slots, ec = xc.ensure(ec, block, ids_TX[t], gate, up, down, n_experts, **copies)
     g, u, d = xc.pool_tensors(ec, block, gate, up, down)
     xt = jax.lax.dynamic_slice_in_dim(x_TD, t, 1)
     yt = moe(xt, slots[None], jax.lax.dynamic_slice_in_dim(w_TX, t, 1), g, u, d)

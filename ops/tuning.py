@@ -70,6 +70,11 @@ class Tunings:
   # positions. Powers of two; None: model.host_tier.HOST_BLOCK and HOST_SPAN.
   tier_block: int | None = None
   tier_span: int | None = None
+  # The expert cache's miss copies (model.expert_cache.ensure): misses copied per group, and groups copied before
+  # the loop over the rest (each of its tests waits for the device on a GPU). None: 1 and 0 (a group per miss,
+  # all in the loop: no copy wasted, misses + 1 waits a layer).
+  miss_lanes: int | None = None
+  miss_eager: int | None = None
   # Attention of decode and verify passes (T <= ops.attention_pallas.MAX_T) and of prefill chunks: "pallas" |
   # "ref" | "interpret" (the kernels in interpret mode, CPU tests); None: "pallas" on a GPU, "ref" elsewhere.
   attention_impl: str | None = None
@@ -84,6 +89,10 @@ class Tunings:
       v = getattr(self, name)
       if v is not None and v not in ATTENTION_IMPLS:
         raise ValueError(f"Tunings: {name} {v!r}, expected one of {ATTENTION_IMPLS} or None")
+    for name, least in (("miss_lanes", 1), ("miss_eager", 0)):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, int) or v < least):
+        raise ValueError(f"Tunings: {name} {v!r}, expected an int >= {least} or None")
     for name in ("tier_block", "tier_span"):
       b = getattr(self, name)
       if b is not None and (not isinstance(b, int) or b < 1 or b & (b - 1)):

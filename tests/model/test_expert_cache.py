@@ -30,9 +30,9 @@ def _m(arch, kind):
   return load_model(model_path(arch, kind))
 
 
-def _decode(m, slots, policy="lru", n_prompt=20, step_params=None):
+def _decode(m, slots, policy="lru", n_prompt=20, step_params=None, options=api.DEFAULT):
   """Prefill (store read directly: T * top_k > E) then STEPS greedy decode steps with `step_params` (default:
-  m.params), whose store may be placed elsewhere."""
+  m.params), whose store may be placed elsewhere, and the model `options`."""
   step_params = m.params if step_params is None else step_params
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 1000, n_prompt), jnp.int32)
   st = api.init_state(m.cfg, 1024, "bf16")
@@ -42,7 +42,7 @@ def _decode(m, slots, policy="lru", n_prompt=20, step_params=None):
   out, t, seq = [np.asarray(lg)], jnp.argmax(lg[-1]), list(np.asarray(toks))
   for _ in range(STEPS):
     seq.append(int(t))
-    l, _, st = api.decode_step(step_params, t, st, cfg=m.cfg)
+    l, _, st = api.decode_step(step_params, t, st, cfg=m.cfg, options=options)
     out.append(np.asarray(l)[None])
     t = jnp.argmax(l)
   return np.concatenate(out), st, seq
@@ -102,13 +102,19 @@ def test_lru_misses_equal_an_independent_simulation():
   assert [got[il] for il in sorted(ids)] == [misses[il] for il in sorted(ids)]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_ensure_against_a_python_cache_with_repeated_ids(policy):
+# (policy, lanes, eager): the miss copies one a loop iteration (the default), in groups of 2 or 4 with the first
+# group outside the loop, and in groups that cover M = 6 without a loop (4 x 2, 8 x 1)
+COPIES = [("lru", 1, 0), ("lfu", 1, 0), ("lru", 2, 0), ("lfu", 4, 1), ("lru", 4, 2), ("lfu", 8, 1)]
+
+
+@pytest.mark.parametrize("policy,lanes,eager", COPIES)
+def test_ensure_against_a_python_cache_with_repeated_ids(policy, lanes, eager):
   """`ensure` on calls of M = 6 ids with repeats (as a verify pass or a prefill chunk routes), over 8 slots of
   two blocks' experts, against a plain-Python cache with the documented rule: a call's distinct missing experts,
   in entry order, take the slots of lowest stamp among those no hit of the call holds (lowest slot on ties);
   LRU stamps every used slot with the call's clock, LFU adds one per call to each used slot (a load starts at
-  0). Slots returned, owners, stamps and the hit/miss counters must agree after every call."""
+  0). Slots returned, owners, stamps and the hit/miss counters must agree after every call, and each slot must
+  hold its owner's rows of the store, whatever groups the copies go in (lanes, eager)."""
   m = _m("glm4moe", "IQ3_S")
   blocks = xc.expert_blocks(m.cfg)[:2]
   S, E, M = 8, m.cfg.n_experts, 6
@@ -124,7 +130,7 @@ def test_ensure_against_a_python_cache_with_repeated_ids(policy):
     ids = [int(i) for i in rng.integers(0, min(E, 10), M)]              # few distinct ids: repeats and hits
     ffn = xc._block_ffn(m.params, m.cfg, b)
     got, cache = xc.ensure(cache, b, jnp.asarray(ids, jnp.int32), ffn["gate_exps"], ffn["up_exps"],
-                           ffn["down_exps"], E)
+                           ffn["down_exps"], E, lanes=lanes, eager=eager)
     clock += 1
     where = {o: s for s, o in enumerate(owner) if o >= 0}
     held = {where[b * E + e] for e in ids if b * E + e in where}
@@ -141,6 +147,14 @@ def test_ensure_against_a_python_cache_with_repeated_ids(policy):
     assert np.asarray(got).tolist() == want, call
     assert np.asarray(cache.pools[0].owner).tolist() == owner, call
     assert np.asarray(cache.pools[0].stamp).tolist() == stamp, call
+    assert {(int(b_), int(e_)): int(v) for (b_, e_), v in np.ndenumerate(np.asarray(cache.slot_of)) if v >= 0} == \
+        {(o // E, o % E): v for v, o in enumerate(owner) if o >= 0}, call
+  for v, o in ((v, o) for v, o in enumerate(owner) if o >= 0):    # the slots' bytes: their owners' store rows
+    ffn = xc._block_ffn(m.params, m.cfg, o // E)
+    for pool_t, n in zip((cache.pools[0].gate, cache.pools[0].up, cache.pools[0].down),
+                         ("gate_exps", "up_exps", "down_exps")):
+      for got_p, want_p in zip(pool_t, xc._planes(ffn[n])):
+        np.testing.assert_array_equal(np.asarray(got_p[v]), np.asarray(want_p[o % E]), err_msg=f"slot {v} {n}")
   st = cache.stats()
   assert [st["hits"][b] for b in blocks] == [hits[b] for b in blocks]
   assert [st["misses"][b] for b in blocks] == [misses[b] for b in blocks] and sum(misses.values()) > 10
@@ -228,6 +242,25 @@ def test_store_in_pinned_host_memory_bitwise_equal():
   on_host = generate(dataclasses.replace(m, params=host), prompt, max_new_tokens=8, stop_at_eos=False,
                      expert_slots=m.cfg.top_k)
   assert on_host.ids == base.ids and on_host.stats["expert_cache"]["store_memory_kind"] == "pinned_host"
+
+
+@pytest.mark.skipif("pinned_host" not in {mem.kind for mem in jax.devices()[0].addressable_memories()},
+                    reason="no pinned_host memory kind on this backend")
+def test_miss_copy_groups_leave_the_same_steps_and_state():
+  """Tunings.miss_lanes / miss_eager regroup the misses' copies from a pinned-host store (groups of 4 with the
+  first outside the loop; groups covering a step's top_k experts, no loop): the hybrid's logits bitwise every
+  expert resident's, and the whole cache (slots' bytes, owners, stamps, counters) the default grouping's."""
+  from ops.tuning import Tunings
+  m = _m("qwen3next", "Q4_K_M")
+  host = xc.place_store(m.params, m.cfg, "pinned_host")
+  ref, _, _ = _decode(m, None)
+  _, base, _ = _decode(m, 2 * m.cfg.top_k, step_params=host)
+  for lanes, eager in ((4, 1), (m.cfg.top_k, 1)):
+    opts = api.DEFAULT.replace(tunings=Tunings(miss_lanes=lanes, miss_eager=eager))
+    got, st, _ = _decode(m, 2 * m.cfg.top_k, step_params=host, options=opts)
+    np.testing.assert_array_equal(got, ref, err_msg=f"lanes {lanes} eager {eager}")
+    jax.tree.map(np.testing.assert_array_equal, st.experts, base.experts)
+    assert sum(st.experts.stats()["misses"]) > STEPS
 
 
 @pytest.mark.skipif("pinned_host" not in {mem.kind for mem in jax.devices()[0].addressable_memories()},
