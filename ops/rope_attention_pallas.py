@@ -35,6 +35,13 @@ from jax.experimental.pallas import triton as plgpu
 from ops import attention, attention_pallas as ap, rope_write_pallas as rw
 
 
+# The largest head dim whose folded verify pass the GPU showed bitwise its one-token steps (batch_invariance.py's
+# "rope + write + attention kernel" row): 128, the 30B shape (H100, 2026-12-06). At 256 (qwen3next, 64 rotated) the
+# pass differed from its steps by ~5e-7 (docs/PERF.md, 2026-12-06), enough to turn replay drafts away with x8 on, so
+# the model runs rope_write and the split kernel there (model.transformer.Attention._folds_rope).
+MAX_INVARIANT_HEAD_DIM = 128
+
+
 def supported(T: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, block: int, k_ring) -> str | None:
   """None when the folded kernel takes this call (the split kernel's shapes, rope_write's, and a power-of-two
   group for the merge kernel), else why not."""

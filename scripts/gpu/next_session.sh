@@ -5,7 +5,17 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open, in the order to run them (2026-12-04, night; each a PART that fits one call; run since: seed128a, PERF
+# Still open, in the order to run them (2026-12-06: x8fuse, fuse, fusehyb and x8anchor ran on an H100, PERF "The launch
+# fusions and x8 on the GPU"; FIRST now: hybinv, then fuse2):
+#   hybinv    issue 26/27: with the rope fold held to head dim 128 (MAX_INVARIANT_HEAD_DIM), the seed-mtp rows and
+#             trunk with x8 + dx8 + every fusion, then replay k = 3 against plain with them (0/378 accepted at
+#             f98652a, where the fold ran at head dim 256); ~6 min
+#   fuse2     issue 27 item 3: topk alone and the bundle less residual, 30B, both expert types (~5 min)
+#   miss      the expert cache's miss copies in groups (Tunings.miss_lanes / miss_eager, commit e327050): the seed-mtp
+#             step through 15,800 slots (the 24 GiB card's count), default against groups of 4 and 10 (~5 min)
+#   x8anchor  needs the tree under 64 MiB with .anchor: keep configs/data/hybrid.gguf out of the call (git rm
+#             --cached + .git/info/exclude for the call, `git reset` after), as 2026-12-06 did
+# Earlier list (2026-12-04, night; each a PART that fits one call; run since: seed128a, PERF
 # "The seed's experiment at 128K"; the numbered parts below are earlier sessions' measurements, kept as the
 # commands their PERF sections cite). Run a ring's calls back to back: a warm machine keeps .jaxcache between calls
 # (compiling runs 431 -> 246 s at 128K) and is given back after 30 s idle.
@@ -60,6 +70,23 @@ spans)  # issue 26 item 5: the tier read in spans (HOST_SPAN) against blocks alo
     --cells $OUT/replay-spans.jsonl 2>&1 | filt | tee $OUT/replay-spans.log | tail -5
   (cd $OUT && tar czf logs.tgz *.logs && rm -rf *.logs) ;;
 tier)  bash scripts/gpu/tier_depth.sh ;;
+hybinv)  # the hybrid's exactness with x8 + dx8 + every fusion (the rope fold now off at head dim 256), then replay
+  F=fuse=residual+router+topk+gated_norm+rope
+  timeout ${TI:-200} python3 scripts/gpu/batch_invariance.py --preset seed-mtp --layers 4 --proj_types Q8_0 \
+    --moe_types IQ3_S --glue on/x8=dp4a/dx8=dp4a/$F,on/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/hybinv.txt \
+    | grep -E "trunk|DIFF"
+  timeout ${TR:-300} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3 \
+    --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 2 --glue on/x8=dp4a/dx8=dp4a/$F \
+    --cells $OUT/hybinv.jsonl 2>&1 | filt | tail -5 ;;
+miss)  # the misses' copies a group at a time (lanes) with the first group before the loop (eager), interleaved
+  timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
+    --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
+    | tee $OUT/miss.log | tail -6 ;;
+fuse2)  # the bundle's members: topk alone, the bundle less residual, and the bundle, interleaved
+  for x in IQ3_S Q4_K; do
+    timeout ${TS:-150} $S30 --experts $x --glue on,on/fuse=topk,on/fuse=router+topk+rope,on/fuse=residual+router+topk+rope \
+      --interleave --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/fuse2-step.log | tail -6
+  done ;;
 seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 seed32b)  ONLY=BS,BR,BN FIRST=2 SEEDS=1 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;
 dp4a)  # issue 27: ops/dot8's tiles as a matvec against the shipped kernel, then the 30B step with the routed experts'

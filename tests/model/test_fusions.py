@@ -133,3 +133,20 @@ def test_rope_and_the_ring_write_run_inside_attention(arch):
   names, before = (_kernel_names(step(o), params, toks[8:9], st) for o in (fused, plain))
   assert names.count("rope_ring_attention") == n_attn == before.count("rope_ring_write")
   assert "rope_ring_write" not in names and "ring_decode_attention" not in names
+
+
+def test_rope_fold_stays_off_past_the_gpu_invariant_head_dim(monkeypatch):
+  """Above rope_attention_pallas.MAX_INVARIANT_HEAD_DIM (the largest head dim whose folded pass was its steps
+  bitwise on the GPU) the model runs rope_write and the split kernel; with the bound under the tiny model's head dim
+  (64), the rope fold asked for runs neither the folded kernel nor anything but the unfused pair, bitwise."""
+  from ops import rope_attention_pallas
+  m, params, toks, st, _, _ = _setup("qwen3next", "Q8_0")
+  step = lambda o: (lambda p, t, s: api.forward(p, t, s, cfg=m.cfg, options=o))    # noqa: E731
+  plain = Options(tunings=Tunings(attention_impl="interpret"))
+  fused = Options(tunings=plain.tunings.replace(fuse=("rope",)))
+  monkeypatch.setattr(rope_attention_pallas, "MAX_INVARIANT_HEAD_DIM", m.cfg.head_dim // 2)
+  names = _kernel_names(step(fused), params, toks[8:9], st)
+  assert "rope_ring_attention" not in names and "rope_ring_write" in names and "ring_decode_attention" in names
+  got, want = (jax.tree_util.tree_leaves(jax.jit(step(o))(params, toks[8:12], st)) for o in (fused, plain))
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
