@@ -35,11 +35,14 @@ from jax.experimental.pallas import triton as plgpu
 from ops import attention, attention_pallas as ap, rope_write_pallas as rw
 
 
-# The largest head dim whose folded verify pass the GPU showed bitwise its one-token steps (batch_invariance.py's
-# "rope + write + attention kernel" row): 128, the 30B shape (H100, 2026-12-06). At 256 (qwen3next, 64 rotated) the
-# pass differed from its steps by ~5e-7 (docs/PERF.md, 2026-12-06), enough to turn replay drafts away with x8 on, so
-# the model runs rope_write and the split kernel there (model.transformer.Attention._folds_rope).
-MAX_INVARIANT_HEAD_DIM = 128
+def norm_order_varies(T: int, n_heads: int, n_kv_heads: int, head_dim: int, block: int, ring_dtype) -> bool:
+  """Whether this pass's q-row norm may sum in another order than a one-token step's on the GPU: its [P, Dh] row
+  load has the ring tiles' [bk, Dh] shape (P == bk), and Triton's coalescing gives loads of one shape the widest
+  vector among them, so the rows take the ring tiles' layout (compiled TTGIR for sm_90, docs/PERF.md 2026-12-06;
+  seen on an H100 at head dim 256, T = 4: the pass differed from its steps by ~5e-7). The model does not fold such
+  a pass (model.transformer.Attention._folds_rope)."""
+  G = n_heads // n_kv_heads
+  return ap.rows_padded(T, G) == ap.config(head_dim, block, n_kv_heads, ring_dtype).bk
 
 
 def supported(T: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, block: int, k_ring) -> str | None:

@@ -7,7 +7,7 @@
 #
 # Still open, in the order to run them (2026-12-06: x8fuse, fuse, fusehyb and x8anchor ran on an H100, PERF "The launch
 # fusions and x8 on the GPU"; FIRST now: hybinv, then fuse2):
-#   hybinv    issue 26/27: with the rope fold held to head dim 128 (MAX_INVARIANT_HEAD_DIM), the seed-mtp rows and
+#   hybinv    issue 26/27: with the rope fold kept off where the q norm's order varies (norm_order_varies), the seed-mtp rows and
 #             trunk with x8 + dx8 + every fusion, then replay k = 3 against plain with them (0/378 accepted at
 #             f98652a, where the fold ran at head dim 256); ~6 min
 #   fuse2     issue 27 item 3: topk alone and the bundle less residual, 30B, both expert types (~5 min)
@@ -70,7 +70,7 @@ spans)  # issue 26 item 5: the tier read in spans (HOST_SPAN) against blocks alo
     --cells $OUT/replay-spans.jsonl 2>&1 | filt | tee $OUT/replay-spans.log | tail -5
   (cd $OUT && tar czf logs.tgz *.logs && rm -rf *.logs) ;;
 tier)  bash scripts/gpu/tier_depth.sh ;;
-hybinv)  # the hybrid's exactness with x8 + dx8 + every fusion (the rope fold now off at head dim 256), then replay
+hybinv)  # the hybrid's exactness with x8 + dx8 + every fusion (the rope fold off where its q norm's order varies), then replay
   F=fuse=residual+router+topk+gated_norm+rope
   timeout ${TI:-200} python3 scripts/gpu/batch_invariance.py --preset seed-mtp --layers 4 --proj_types Q8_0 \
     --moe_types IQ3_S --glue on/x8=dp4a/dx8=dp4a/$F,on/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/hybinv.txt \

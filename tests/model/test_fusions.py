@@ -135,16 +135,20 @@ def test_rope_and_the_ring_write_run_inside_attention(arch):
   assert "rope_ring_write" not in names and "ring_decode_attention" not in names
 
 
-def test_rope_fold_stays_off_past_the_gpu_invariant_head_dim(monkeypatch):
-  """Above rope_attention_pallas.MAX_INVARIANT_HEAD_DIM (the largest head dim whose folded pass was its steps
-  bitwise on the GPU) the model runs rope_write and the split kernel; with the bound under the tiny model's head dim
-  (64), the rope fold asked for runs neither the folded kernel nor anything but the unfused pair, bitwise."""
-  from ops import rope_attention_pallas
+def test_rope_fold_stays_off_where_the_q_norm_order_varies(monkeypatch):
+  """A pass whose q-row norm could sum in another order than a step's on the GPU (its rows padded to the ring
+  tiles' bk: seed-mtp at T = 3, 4, the 30B shape at T = 5..8, never the tiny shapes) runs rope_write and the
+  split kernel: with the predicate forced on, the rope fold asked for runs only the unfused pair, bitwise."""
+  from ops import rope_attention_pallas as ra
+  assert [ra.norm_order_varies(T, 16, 2, 256, 256, jnp.int8) for T in (1, 2, 3, 4, 8)] == [0, 0, 1, 1, 0]
+  assert [ra.norm_order_varies(T, 32, 4, 128, 256, jnp.int8) for T in (1, 4, 5, 8)] == [0, 0, 1, 1]
   m, params, toks, st, _, _ = _setup("qwen3next", "Q8_0")
+  assert not any(ra.norm_order_varies(T, m.cfg.n_heads, m.cfg.n_kv_heads, m.cfg.head_dim, 256, jnp.int8)
+                 for T in range(1, 9))
   step = lambda o: (lambda p, t, s: api.forward(p, t, s, cfg=m.cfg, options=o))    # noqa: E731
   plain = Options(tunings=Tunings(attention_impl="interpret"))
   fused = Options(tunings=plain.tunings.replace(fuse=("rope",)))
-  monkeypatch.setattr(rope_attention_pallas, "MAX_INVARIANT_HEAD_DIM", m.cfg.head_dim // 2)
+  monkeypatch.setattr(ra, "norm_order_varies", lambda *a: True)
   names = _kernel_names(step(fused), params, toks[8:9], st)
   assert "rope_ring_attention" not in names and "rope_ring_write" in names and "ring_decode_attention" in names
   got, want = (jax.tree_util.tree_leaves(jax.jit(step(o))(params, toks[8:12], st)) for o in (fused, plain))
