@@ -76,8 +76,14 @@ hybinv)  # the hybrid's exactness with x8 + dx8 + every fusion (the rope fold of
     --moe_types IQ3_S --glue on/x8=dp4a/dx8=dp4a/$F,on/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/hybinv.txt \
     | grep -E "trunk|DIFF"
   timeout ${TR:-300} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3 \
-    --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 2 --glue on/x8=dp4a/dx8=dp4a/$F \
-    --cells $OUT/hybinv.jsonl 2>&1 | filt | tail -5 ;;
+    --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 2 --glue on/x8=dp4a/dx8=dp4a/$F --trace $OUT/prof \
+    --cells $OUT/hybinv.jsonl 2>&1 | filt | tail -5
+  # where a verify round's time goes against a plain step's (issue 26 item 5, issue 27 item 5): 32 traced tokens,
+  # 32 steps plain, 8 rounds of k = 3 when every draft is accepted
+  for a in $OUT/prof/*; do f=$(find $a -name perfetto_trace.json.gz | head -1)
+    n=$(case $a in *replay*) echo 8;; *) echo 32;; esac); echo "== $(basename $a) (per ${n}th)"
+    python3 scripts/gpu/trace_summary.py $f --steps $n --top 30 --gaps 40; done 2>&1 | tee $OUT/hybtrace.txt | tail -80
+  rm -rf $OUT/prof ;;
 miss)  # the misses' copies a group at a time (lanes) with the first group before the loop (eager), interleaved
   timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
