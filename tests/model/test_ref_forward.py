@@ -198,19 +198,24 @@ def _llama_logits(path: str, tokens: list[int], f32_kv: bool = False) -> np.ndar
 
 
 def _compare(name: str, got: np.ndarray, want: np.ndarray, tol: float, strict_argmax: bool) -> None:
-  """Relative L2 over all positions < tol; argmax equal everywhere (strict), or, with f16 rounding in llama.cpp,
-  everywhere llama.cpp's top-2 gap exceeds 4x the largest logit error (near-ties may flip; at most 10 %)."""
-  err = np.abs(got - want)
-  rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+  """Relative L2 over all positions < tol, and at every single position < 4 tol (an error at one position cannot
+  hide in the mean). Argmax equal everywhere (strict), or, with f16 rounding in llama.cpp, everywhere llama.cpp's
+  top-2 gap exceeds 4x that position's RMS logit error: a flip there means the error fell on the top two logits
+  far above its typical size. (A bound by the position's *largest* error would make the check hold by arithmetic;
+  a fraction of near-ties depends on the machine's f16 rounding, so neither is asserted.)"""
+  err = got - want
+  rel = float(np.linalg.norm(err) / np.linalg.norm(want))
+  rel_pos = np.linalg.norm(err, axis=-1) / np.linalg.norm(want, axis=-1)
+  rms_pos = np.sqrt(np.mean(err * err, axis=-1))
   top2 = np.sort(want, axis=-1)[:, -2:]
   gap = top2[:, 1] - top2[:, 0]
-  print(f"\n{name}: rel L2 {rel:.3e} over {len(want)} positions "
-        f"(max abs {err.max():.3e}, smallest llama.cpp top-2 gap {gap.min():.3e})")
+  print(f"\n{name}: rel L2 {rel:.3e} over {len(want)} positions, worst position {rel_pos.max():.3e} "
+        f"(max abs {np.abs(err).max():.3e}, smallest llama.cpp top-2 gap {gap.min():.3e})")
   assert rel < tol, f"{name}: rel L2 {rel:.3e} >= {tol}"
-  check = np.ones(len(want), bool) if strict_argmax else gap > 4 * err.max()
+  assert rel_pos.max() < 4 * tol, f"{name}: position {int(rel_pos.argmax())} rel L2 {rel_pos.max():.3e} >= {4 * tol}"
+  check = np.ones(len(want), bool) if strict_argmax else gap > 4 * rms_pos
   if not check.all():
     print(f"  {int((~check).sum())} near-tie position(s) left out of the argmax check")
-  assert check.mean() >= 0.9, f"{name}: too many near-ties ({int((~check).sum())} of {len(want)})"
   np.testing.assert_array_equal(np.argmax(got, -1)[check], np.argmax(want, -1)[check])
 
 
