@@ -88,6 +88,16 @@ miss)  # the misses' copies a group at a time (lanes) with the first group befor
   timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
     | tee $OUT/miss.log | tail -6 ;;
+misscb)  # PART=miss, then the same step with XLA's WHILE and CONDITIONAL commands in command buffers (CUDA graph
+  # conditional nodes: a loop test on the device, no wait for the host), in a second process beside its own `on`
+  # baseline; then the decode loop's own test (loop_sync_probe) with the flag. Each miss pays a device wait today
+  # (PERF "What a miss costs": ~140 us a miss against ~44 us of copies)
+  CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+  M="python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave --cells 4096:1024:auto:pallas::15800"
+  timeout ${TM:-250} $M --glue on,on/miss=4:1,on/miss=10:1 --out $OUT/miss.jsonl 2>&1 | filt | tee $OUT/miss.log | tail -6
+  XLA_FLAGS="$CB" timeout ${TW:-170} $M --glue on,on/miss=4:1 --out $OUT/misscb.jsonl 2>&1 | filt | tee $OUT/misscb.log | tail -6
+  XLA_FLAGS="$CB" timeout ${TL:-120} python3 scripts/gpu/loop_sync_probe.py --preset seed-mtp --depth 1024 --steps 64 \
+    2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/loopcb.txt | tail -6 ;;
 fuse2)  # the bundle's members: topk alone, the bundle less residual, and the bundle, interleaved
   for x in IQ3_S Q4_K; do
     timeout ${TS:-150} $S30 --experts $x --glue on,on/fuse=topk,on/fuse=router+topk+rope,on/fuse=residual+router+topk+rope \
