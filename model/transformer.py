@@ -157,12 +157,11 @@ class Attention(nn.Module):
 
   def _folds_rope(self, T: int, cache: KVLayer, attn_block: int) -> bool:
     """Whether this pass runs RoPE and the ring write inside the attention kernel: Tunings.fuse "rope", a decode
-    or verify pass whose attention is not forced to the reference, shapes the folded kernel takes, and a pass whose
-    q-row norm sums in a one-token step's order (rope_attention_pallas.norm_order_varies)."""
+    or verify pass whose attention is not forced to the reference, and shapes the folded kernel takes (for decode
+    passes alike at every T <= MAX_T: a step and a verify pass of one request both fold or both do not, as their
+    rows agree bitwise only within one kernel)."""
     c, tun = self.cfg, self.opts.tunings
     return (fuses(self.opts, "rope") and pick(tun, "attention_impl") != "ref"
-            and not rope_attention_pallas.norm_order_varies(T, c.n_heads, c.n_kv_heads, c.head_dim, attn_block,
-                                                            cache.k.dtype)
             and rope_attention_pallas.supported(T, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, attn_block,
                                                 cache.k) is None)
 

@@ -17,7 +17,13 @@ The partials merge in attention_pallas.merge_splits. With `with_q` the programs 
 [T, Hq, Dh] (the host tier's attention needs it).
 
 Arithmetic: the tile loop, the masks and the merge are the split kernel's, so rows and tiles keep its invariants
-(a verify pass's rows are the steps' bitwise; rings of any capacity agree). The rotation computes x*cos + xs*(-sin)
+(a verify pass's rows are the steps' bitwise; rings of any capacity agree). The q rows' norm sums their squares
+from a [P, 1, Dh] load of its own: Triton's coalescing gives every load of one shape the widest vector among them,
+so a [P, Dh] load takes the int8 ring tiles' [bk, Dh] layout when P == bk and sums in another order than at other
+P (seen on an H100 at head dim 256, T = 4: the pass differed from its steps by ~5e-7; docs/PERF.md 2026-12-06),
+where the [P, 1, Dh] shape, which no tile has, reduces alike at every P. A model folds every decode and verify pass
+or none (model.transformer.Attention._folds_rope): a step through this kernel and a pass through rope_write_pallas
+and the split kernel norm and rotate in different code and need not agree bitwise on a GPU. The rotation computes x*cos + xs*(-sin)
 where rope_write_pallas computes x1*cos - x2*sin: equal in exact arithmetic, and within a rounding of each other
 when a compiler contracts them differently. Reference: `rope_attention_ref` (rope_write_ref, then the attention
 reference over the written ring); `rope_attention` dispatches.
@@ -33,16 +39,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ops import attention, attention_pallas as ap, rope_write_pallas as rw
-
-
-def norm_order_varies(T: int, n_heads: int, n_kv_heads: int, head_dim: int, block: int, ring_dtype) -> bool:
-  """Whether this pass's q-row norm may sum in another order than a one-token step's on the GPU: its [P, Dh] row
-  load has the ring tiles' [bk, Dh] shape (P == bk), and Triton's coalescing gives loads of one shape the widest
-  vector among them, so the rows take the ring tiles' layout (compiled TTGIR for sm_90, docs/PERF.md 2026-12-06;
-  seen on an H100 at head dim 256, T = 4: the pass differed from its steps by ~5e-7). The model does not fold such
-  a pass (model.transformer.Attention._folds_rope)."""
-  G = n_heads // n_kv_heads
-  return ap.rows_padded(T, G) == ap.config(head_dim, block, n_kv_heads, ring_dtype).bk
 
 
 def supported(T: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_dim: int, block: int, k_ring) -> str | None:
@@ -100,7 +96,11 @@ def _kernel(meta_ref, qpos_ref, lo_ref, freq_ref, qkv_ref, *refs, bk: int, capac
     cs = (cos, sin) columns (broadcasting to the rows): [N, Dh] (or [Dh])."""
     x, xs = qkv_ref[base + col], qkv_ref[base + swap]
     if w_ref is not None:                    # rms_norm over the head's row, as rope_write_pallas
-      r = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+      if jnp.ndim(base):                     # the q rows: sums of squares from a load of their own (see below)
+        x3 = qkv_ref[base[:, :, None] + col[None, None, :]]                           # [N, 1, Dh]
+        r = lax.rsqrt(jnp.mean(x3 * x3, axis=-1) + eps)                                # [N, 1]
+      else:
+        r = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
       x, xs = x * r * w_ref[col], xs * r * w_ref[swap]
     return x * cs[0] + xs * cs[1]
 

@@ -7,7 +7,8 @@
 #
 # Still open, in the order to run them (2026-12-06: x8fuse, fuse, fusehyb and x8anchor ran on an H100, PERF "The launch
 # fusions and x8 on the GPU"; FIRST now: hybinv, then fuse2):
-#   hybinv    issue 26/27: with the rope fold kept off where the q norm's order varies (norm_order_varies), the seed-mtp rows and
+#   hybfix    issue 26/27: the rope fold with its q norm's own load at every T: replay with x8 + dx8 + F and F, rows, trunk
+#   hybinv    (ran 2026-12-07 c1, before hybfix's change) issue 26/27: the rope fold kept off where the q norm's order varied, the seed-mtp rows and
 #             trunk with x8 + dx8 + every fusion, then replay k = 3 against plain with them (0/378 accepted at
 #             f98652a, where the fold ran at head dim 256); ~6 min
 #   fuse2     issue 27 item 3: topk alone and the bundle less residual, 30B, both expert types (~5 min)
@@ -84,6 +85,23 @@ hybinv)  # the hybrid's exactness with x8 + dx8 + every fusion (the rope fold of
     n=$(case $a in *replay*) echo 8;; *) echo 32;; esac); echo "== $(basename $a) (per ${n}th)"
     python3 scripts/gpu/trace_summary.py $f --steps $n --top 30 --gaps 40; done 2>&1 | tee $OUT/hybtrace.txt | tail -80
   rm -rf $OUT/prof ;;
+hybfix)  # the rope fold's q norm from its own [P, 1, Dh] load and every decode / verify pass folded (norm_order_varies
+  # gone): replay k = 3 against plain with x8 + dx8 + every fusion (0/378 and 7/735 accepted before), then with the
+  # fusions alone, then the rows (the fold's T = 4 pass against its steps) and the 2-layer trunk with x8 + dx8 + F
+  F=fuse=residual+router+topk+gated_norm+rope
+  for g in on/x8=dp4a/dx8=dp4a/$F on/$F; do
+    timeout ${TR:-130} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3 \
+      --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 1 --glue $g --cells $OUT/hybfix.jsonl 2>&1 | filt \
+      | tee -a $OUT/hybfix.log | tail -4
+  done
+  timeout ${TI:-220} python3 scripts/gpu/batch_invariance.py --preset seed-mtp --layers 2 --proj_types Q8_0 \
+    --moe_types IQ3_S --x8 dp4a --glue on/x8=dp4a/dx8=dp4a/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/hybfix-inv.txt \
+    | grep -E "trunk|DIFF|fuse rope" ;;
+misscb2)  # misscb's two processes cut to fit a call's last minutes: on and all misses eager, without and with WHILE
+  CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+  M="python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave --cells 4096:1024:auto:pallas::15800"
+  timeout ${TM:-170} $M --glue on,on/miss=10:1 --out $OUT/miss.jsonl 2>&1 | filt | tee $OUT/miss.log | tail -4
+  XLA_FLAGS="$CB" timeout ${TW:-170} $M --glue on,on/miss=10:1 --out $OUT/misscb.jsonl 2>&1 | filt | tee $OUT/misscb.log | tail -4 ;;
 miss)  # the misses' copies a group at a time (lanes) with the first group before the loop (eager), interleaved
   timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
