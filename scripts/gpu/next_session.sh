@@ -97,11 +97,16 @@ hybfix)  # the rope fold's q norm from its own [P, 1, Dh] load and every decode 
   timeout ${TI:-220} python3 scripts/gpu/batch_invariance.py --preset seed-mtp --layers 2 --proj_types Q8_0 \
     --moe_types IQ3_S --x8 dp4a --glue on/x8=dp4a/dx8=dp4a/$F 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/hybfix-inv.txt \
     | grep -E "trunk|DIFF|fuse rope" ;;
-misscb2)  # misscb's two processes cut to fit a call's last minutes: on and all misses eager, without and with WHILE
+misscb2)  # WHILE / CONDITIONAL command buffers (the loop tests on the device), each beside the default in its own process:
+  # a plain resident request at 1K (decode_loop tests its bound every step: ~1.2 ms idle after each test in c1's
+  # trace), then the cached step through 15,800 slots (ensure's loop: a test a miss)
   CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
-  M="python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave --cells 4096:1024:auto:pallas::15800"
-  timeout ${TM:-170} $M --glue on,on/miss=10:1 --out $OUT/miss.jsonl 2>&1 | filt | tee $OUT/miss.log | tail -4
-  XLA_FLAGS="$CB" timeout ${TW:-170} $M --glue on,on/miss=10:1 --out $OUT/misscb.jsonl 2>&1 | filt | tee $OUT/misscb.log | tail -4 ;;
+  P="python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 1"
+  M="python3 -m bench.step --preset seed-mtp --kernels pallas --steps 16 --repeats 3 --cells 4096:1024:auto:pallas::15800 --glue on"
+  timeout ${TP:-70} $P --cells $OUT/cb-off.jsonl 2>&1 | filt | tail -3
+  XLA_FLAGS="$CB" timeout ${TP:-70} $P --cells $OUT/cb-on.jsonl 2>&1 | filt | tail -3
+  timeout ${TM:-120} $M --out $OUT/misscb-off.jsonl 2>&1 | filt | tail -3
+  XLA_FLAGS="$CB" timeout ${TM:-120} $M --out $OUT/misscb-on.jsonl 2>&1 | filt | tail -3 ;;
 miss)  # the misses' copies a group at a time (lanes) with the first group before the loop (eager), interleaved
   timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
