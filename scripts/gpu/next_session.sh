@@ -5,9 +5,10 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open, in the order to run them (2026-12-06: x8fuse, fuse, fusehyb and x8anchor ran on an H100, PERF "The launch
-# fusions and x8 on the GPU"; FIRST now: hybinv, then fuse2):
-#   hybfix    issue 26/27: the rope fold with its q norm's own load at every T: replay with x8 + dx8 + F and F, rows, trunk
+# Still open, in the order to run them (2026-12-07: hybinv and hybfix ran on an H100, PERF "The rope fold in every pass";
+# FIRST now: misscb2, then the 30B shape's fold at T = 5..8 (`batch_invariance.py --preset qwen3moe-30b-a3b --T 8
+# --glue on/fuse=residual+router+topk+rope` with TI >= 400), then fuse2, seed32b, seed128b, seed128c):
+#   hybfix    (ran 2026-12-07 c3: 96/96 with x8 + dx8 + F; its rows ran out of 220 s) issue 26/27: the rope fold with its q norm's own load at every T: replay with x8 + dx8 + F and F, rows, trunk
 #   hybinv    (ran 2026-12-07 c1, before hybfix's change) issue 26/27: the rope fold kept off where the q norm's order varied, the seed-mtp rows and
 #             trunk with x8 + dx8 + every fusion, then replay k = 3 against plain with them (0/378 accepted at
 #             f98652a, where the fold ran at head dim 256); ~6 min
