@@ -6,8 +6,8 @@ the arm's ring capacity, drafter, KV dtype, expert cache (all | auto | N slots, 
 in the host tier). Every cell first runs once untimed (compiles), then once per seed; each timed run writes one
 JSONL record (config, commit, device, prefill tok/s, TTFT, decode tok/s, drafts proposed/accepted per position,
 expert-cache stats, the memory plan, and for drafted arms the bytes-per-round model of decode/round_model.py) and
-its log, `<cells>.logs/<arm>-s<seed>.log` (the request, the plan's table, what the stack logged meanwhile, the
-result; the first seed's log also holds the compiling run), named by the record's "log".
+its log, `<cells>.logs/<arm>-s<seed>.log` (an arm's `@` written `-k`; the request, the plan's table, what the
+stack logged meanwhile, the result; the first seed's log also holds the compiling run), named by the record's "log".
 The table shows the median decode tok/s over seeds, the drafts of every seed, the expert-cache hit rate, and
 for drafted arms the speed-up over the matching plain arm beside what the byte ratio predicts; pre-declared bars
 are evaluated and printed; a PNG plots tok/s against depth. A refused request or plan fails its arm (one line, the
@@ -630,7 +630,7 @@ def main(argv):
     for arm, seed in tqdm(runs, desc="cells", unit="run", file=sys.stderr):
       if arm.name in failed:
         continue
-      log_path = os.path.join(log_dir, f"{arm.name}-s{seed}.log")
+      log_path = os.path.join(log_dir, f"{arm.name.replace('@', '-k')}-s{seed}.log")    # '@': not a file name everywhere
       try:
         with cell_log(log_path):
           if arm.name not in first_run:
