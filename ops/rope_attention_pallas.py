@@ -23,9 +23,9 @@ so a [P, Dh] load takes the int8 ring tiles' [bk, Dh] layout when P == bk and su
 P (seen on an H100 at head dim 256, T = 4: the pass differed from its steps by ~5e-7; docs/PERF.md 2026-12-06),
 where the [P, 1, Dh] shape, which no tile has, reduces alike at every P. A model folds every decode and verify pass
 or none (model.transformer.Attention._folds_rope): a step through this kernel and a pass through rope_write_pallas
-and the split kernel norm and rotate in different code and need not agree bitwise on a GPU. The rotation computes x*cos + xs*(-sin)
-where rope_write_pallas computes x1*cos - x2*sin: equal in exact arithmetic, and within a rounding of each other
-when a compiler contracts them differently. Reference: `rope_attention_ref` (rope_write_ref, then the attention
+and the split kernel norm and rotate in different code and need not agree bitwise on a GPU. The rotation computes
+x*cos + xs*(-sin) where rope_write_pallas computes x1*cos - x2*sin: equal in exact arithmetic, and within a
+rounding of each other when a compiler contracts them differently. Reference: `rope_attention_ref` (rope_write_ref, then the attention
 reference over the written ring); `rope_attention` dispatches.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _kernel(meta_ref, qpos_ref, lo_ref, freq_ref, qkv_ref, *refs, bk: int, capac
     cs = (cos, sin) columns (broadcasting to the rows): [N, Dh] (or [Dh])."""
     x, xs = qkv_ref[base + col], qkv_ref[base + swap]
     if w_ref is not None:                    # rms_norm over the head's row, as rope_write_pallas
-      if jnp.ndim(base):                     # the q rows: sums of squares from a load of their own (see below)
+      if jnp.ndim(base):                     # the q rows: sums of squares from a [N, 1, Dh] load (module doc)
         x3 = qkv_ref[base[:, :, None] + col[None, None, :]]                           # [N, 1, Dh]
         r = lax.rsqrt(jnp.mean(x3 * x3, axis=-1) + eps)                                # [N, 1]
       else:

@@ -1,7 +1,7 @@
 """ops/rope_attention_pallas: RoPE and the ring write folded into the decode attention kernel, in interpret mode on
 CPU against the two kernels it replaces (rope_write_pallas, then ring_attention_pallas: the ring's rows bitwise,
-q within an ulp, the attention bitwise where q is) and the jnp reference, a verify pass's rows against one-row steps and two ring capacities against each other (bitwise), and
-lowered for an abstract CUDA and ROCm device."""
+q within an ulp, the attention bitwise where q is) and the jnp reference, a verify pass's rows against one-row
+steps and two ring capacities against each other (bitwise), and lowered for an abstract CUDA and ROCm device."""
 from __future__ import annotations
 
 import jax
@@ -57,6 +57,7 @@ def test_fold_is_the_two_kernels(T, Hq, Hkv, Dh, rope_dim, dtype, qk_norm, tier)
   # The model never mixes the two paths in one request (test_fusions), so no case needs q bitwise
   np.testing.assert_allclose(np.asarray(q), np.asarray(want_q), rtol=2e-6, atol=1e-6)
   same_q = np.array_equal(np.asarray(q), np.asarray(want_q))
+  assert same_q or qk_norm                                      # unnormed q: the bitwise attention case is exercised
   for a, b in zip(_leaves(out), _leaves(want_out)):
     if same_q:
       np.testing.assert_array_equal(a, b)
