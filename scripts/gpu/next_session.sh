@@ -8,8 +8,12 @@
 # Still open, in the order to run them (2026-12-07: hybinv and hybfix ran on an H100, PERF "The rope fold in every pass";
 # FIRST now: misscb2, then the 30B shape's fold at T = 5..8 (`batch_invariance.py --preset qwen3moe-30b-a3b --T 8
 # --glue on/fuse=residual+router+topk+rope` with TI >= 400), then fuse2, seed32b, seed128b, seed128c):
-#   hybfix    (ran 2026-12-07 c3: 96/96 with x8 + dx8 + F; its rows ran out of 220 s) issue 26/27: the rope fold with its q norm's own load at every T: replay with x8 + dx8 + F and F, rows, trunk
-#   hybinv    (ran 2026-12-07 c1, before hybfix's change) issue 26/27: the rope fold kept off where the q norm's order varied, the seed-mtp rows and
+#   misscb2   issue 26 item 5: WHILE / CONDITIONAL command buffers on a resident request and the cached step, each
+#             beside the default (~7 min; 2026-12-07 c4 ran it cut to 65 s a request: too short for the first)
+#   hybfix    (ran 2026-12-07 c3: 96/96 with x8 + dx8 + F; its rows ran out of 220 s) issue 26/27: the rope fold
+#             with its q norm's own load at every T: replay with x8 + dx8 + F and F, rows, trunk
+#   hybinv    (ran 2026-12-07 c1, before hybfix's change) issue 26/27: the rope fold kept off where the q norm's
+#             order varied, the seed-mtp rows and
 #             trunk with x8 + dx8 + every fusion, then replay k = 3 against plain with them (0/378 accepted at
 #             f98652a, where the fold ran at head dim 256); ~6 min
 #   fuse2     issue 27 item 3: topk alone and the bundle less residual, 30B, both expert types (~5 min)
@@ -104,24 +108,14 @@ misscb2)  # WHILE / CONDITIONAL command buffers (the loop tests on the device), 
   CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
   P="python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 1"
   M="python3 -m bench.step --preset seed-mtp --kernels pallas --steps 16 --repeats 3 --cells 4096:1024:auto:pallas::15800 --glue on"
-  timeout ${TP:-70} $P --cells $OUT/cb-off.jsonl 2>&1 | filt | tail -3
-  XLA_FLAGS="$CB" timeout ${TP:-70} $P --cells $OUT/cb-on.jsonl 2>&1 | filt | tail -3
+  timeout ${TP:-110} $P --cells $OUT/cb-off.jsonl 2>&1 | filt | tail -3
+  XLA_FLAGS="$CB" timeout ${TP:-110} $P --cells $OUT/cb-on.jsonl 2>&1 | filt | tail -3
   timeout ${TM:-120} $M --out $OUT/misscb-off.jsonl 2>&1 | filt | tail -3
   XLA_FLAGS="$CB" timeout ${TM:-120} $M --out $OUT/misscb-on.jsonl 2>&1 | filt | tail -3 ;;
 miss)  # the misses' copies a group at a time (lanes) with the first group before the loop (eager), interleaved
   timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
     | tee $OUT/miss.log | tail -6 ;;
-misscb)  # PART=miss, then the same step with XLA's WHILE and CONDITIONAL commands in command buffers (CUDA graph
-  # conditional nodes: a loop test on the device, no wait for the host), in a second process beside its own `on`
-  # baseline; then the decode loop's own test (loop_sync_probe) with the flag. Each miss pays a device wait today
-  # (PERF "What a miss costs": ~140 us a miss against ~44 us of copies)
-  CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
-  M="python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave --cells 4096:1024:auto:pallas::15800"
-  timeout ${TM:-250} $M --glue on,on/miss=4:1,on/miss=10:1 --out $OUT/miss.jsonl 2>&1 | filt | tee $OUT/miss.log | tail -6
-  XLA_FLAGS="$CB" timeout ${TW:-170} $M --glue on,on/miss=4:1 --out $OUT/misscb.jsonl 2>&1 | filt | tee $OUT/misscb.log | tail -6
-  XLA_FLAGS="$CB" timeout ${TL:-120} python3 scripts/gpu/loop_sync_probe.py --preset seed-mtp --depth 1024 --steps 64 \
-    2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/loopcb.txt | tail -6 ;;
 fuse2)  # the bundle's members: topk alone, the bundle less residual, and the bundle, interleaved
   for x in IQ3_S Q4_K; do
     timeout ${TS:-150} $S30 --experts $x --glue on,on/fuse=topk,on/fuse=router+topk+rope,on/fuse=residual+router+topk+rope \
