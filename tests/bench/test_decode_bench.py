@@ -2,10 +2,13 @@
 by slots, replay's acceptance (its drafts are the plain greedy tokens, so anything below 100 % is a defect), the
 bytes-per-round model beside the measured speed-up, and the table."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_bench_cells_table_and_records(tmp_path):
@@ -13,7 +16,7 @@ def test_bench_cells_table_and_records(tmp_path):
   r = subprocess.run(
       [sys.executable, "-m", "bench.cells", "--rings", "2048", "--drafts", "none,replay@2", "--expert_cache", "all,6",
        "--depths", "48", "--max_new_tokens", "12", "--seeds", "1", "--max_context", "4096", "--cells", str(cells)],
-      capture_output=True, text=True, timeout=900)
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   recs = [json.loads(line) for line in cells.read_text().splitlines()]
   assert sorted(x["arm"] for x in recs) == sorted(["R2048-none-int8-D48", "R2048-none-int8-D48-X6",
@@ -234,7 +237,7 @@ def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
   r = subprocess.run(
       [sys.executable, "-m", "bench.cells", "--rings", "2048", "--drafts", "mtp,lookup", "--depths", "48",
        "--max_new_tokens", "8", "--seeds", "2", "--reuse_prefill", "--cells", str(cells)],
-      capture_output=True, text=True, timeout=900)
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   recs = [json.loads(line) for line in cells.read_text().splitlines()]
   got = [(x["arm"].split("-")[1], x["seed"], x["stats"]["prefill_reused"]) for x in recs]
@@ -249,7 +252,7 @@ def test_reuse_prefill_shares_one_prefill_per_prompt_and_k(tmp_path):
   r = subprocess.run(
       [sys.executable, "-m", "bench.cells", "--rings", "2048", "--drafts", "lookup", "--depths", "48",
        "--max_new_tokens", "8", "--seeds", "1", "--first_seed", "1", "--reuse_prefill", "--cells", str(later)],
-      capture_output=True, text=True, timeout=900)
+      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   (one,) = [json.loads(line) for line in later.read_text().splitlines()]
   assert one["seed"] == 1 and one["stats"]["prefill_reused"]
@@ -316,7 +319,7 @@ def test_report_joins_records_of_separate_runs(tmp_path):
     if "broken" in bad.name:
       bad.write_text("{not json\n")
     r = subprocess.run([sys.executable, "-m", "bench.cells", "--arms", "seed4", "--depths", "32768", "--report",
-                        str(bad)], capture_output=True, text=True, timeout=300)
+                        str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and why in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
@@ -405,5 +408,5 @@ for _ in range(3):
     assert t.run() > 0 and [int(v) for v in np.asarray(t.ls.out)[1:4]] == want, (np.asarray(t.ls.out), want)
 print("ok")
 """
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]

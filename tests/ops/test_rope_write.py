@@ -2,6 +2,8 @@
 ops), in interpret mode on CPU, and lowered for an abstract CUDA and ROCm device."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,8 @@ import pytest
 from ops import rope_write_pallas as rw
 from ops.kv_write import STORE, write_rows
 from tools.lowering import DEVICES, lower as _lower
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _case(T, Hq, Hkv, Dh, R, dtype, seed=0, qk_norm=True):
@@ -135,7 +139,7 @@ def test_model_with_the_kernel(which, monkeypatch):
   from model.options import Options
   from ops.qtensor import with_kernels
   from tests.models import model_path
-  m = load_model("configs/data/default.gguf" if which == "default" else model_path(which, "Q8_0"))
+  m = load_model(os.path.join(ROOT, "configs/data/default.gguf") if which == "default" else model_path(which, "Q8_0"))
   first = m.cfg.attention_layers[0] if m.cfg.recurrent else 0
   assert "wqkv" in m.params[f"blk_{first}"]["attn"]          # fused at load: the kernel's precondition
   m.params = with_kernels(m.params, "interpret")
