@@ -116,6 +116,12 @@ miss)  # the misses' copies a group at a time (lanes) with the first group befor
   timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
     | tee $OUT/miss.log | tail -6 ;;
+fold8)  # the rope fold's q rows at the 30B shape's T = 8 (P = 64 = its ring tile bk: the layout that made seed-mtp's
+  # T = 3, 4 passes differ before da3050f), F and x8 + dx8 + F: the rows and a 2-layer trunk's 8-token pass against its steps
+  F=fuse=residual+router+topk+rope
+  timeout ${TI:-500} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 2 --T 8 --proj_types Q8_0 \
+    --moe_types IQ3_S --x8 dp4a --glue on/$F,on/x8=dp4a/dx8=dp4a/$F 2>&1 | grep -vE "^(W|I)[0-9]" \
+    | tee $OUT/fold8-inv.txt | grep -E "trunk|DIFF|fuse rope" ;;
 fuse2)  # the bundle's members: topk alone, the bundle less residual, and the bundle, interleaved
   for x in IQ3_S Q4_K; do
     timeout ${TS:-150} $S30 --experts $x --glue on,on/fuse=topk,on/fuse=router+topk+rope,on/fuse=residual+router+topk+rope \
