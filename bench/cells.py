@@ -621,7 +621,7 @@ def main(argv):
     for name, got in compile_all(model, arms, FLAGS.compile_jobs, cache).items():
       if isinstance(got, Exception):
         failed.add(name)
-        print(f"cell {name}: {str(got).splitlines()[0]}", file=sys.stderr)
+        tqdm.write(f"cell {name}: {str(got).splitlines()[0]}", file=sys.stderr)
       else:
         first_run[name] = got
         print(f"arm {name}: first (compiling) run {got:.1f} s", file=sys.stderr)
@@ -665,7 +665,7 @@ def main(argv):
         failed.add(arm.name)
         with cell_log(log_path):
           CELL_LOG.error("cell %s: %s", arm.name, str(e).splitlines()[0])
-        print(f"cell {arm.name}: {str(e).splitlines()[0]}", file=sys.stderr)
+        tqdm.write(f"cell {arm.name}: {str(e).splitlines()[0]}", file=sys.stderr)
   print(f"\n{path} ({model.cfg.arch}), device {device}, commit {commit}, {FLAGS.max_new_tokens} tokens, "
         f"{FLAGS.seeds} seeds\n")
   print(_table(records, arms))
@@ -675,6 +675,9 @@ def main(argv):
     png = FLAGS.plot or os.path.splitext(FLAGS.cells)[0] + ".png"
     _plot(records, arms, png)
     print(f"plot: {png}")
+  if failed:
+    sys.exit(f"bench.cells: {len(failed)} of {len(arms)} arms failed ({', '.join(sorted(failed))}: their lines "
+             f"above), the table has the rest")
 
 
 if __name__ == "__main__":

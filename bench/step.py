@@ -229,10 +229,15 @@ def main(argv):
     p, experts = cell_params(kn, slots)
     return StepTimer(p, cfg, ring, FLAGS.steps, host, opts, experts), host_cap
 
+  failures = []
+
   def failed(cell, e):
+    """Report a cell that raised on its own line (tqdm.write: not glued to a progress bar, which log filters
+    drop) and count it: the table prints the cells that ran, then the process exits 1."""
     R, depth, kn, at, _, _, rw = cell
-    print(f"cell R={R} depth={depth} {kn}/{at} glue {rw}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-          file=sys.stderr)
+    failures.append(cell)
+    tqdm.write(f"cell R={R} depth={depth} {kn}/{at} glue {rw}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+               file=sys.stderr)
 
   def runs():
     """(cell, seconds per step of each timed repeat, seconds of the first run, host tier capacity, the expert
@@ -300,6 +305,8 @@ def main(argv):
     slots = "-" if r["expert_slots"] is None else f"{r['expert_slots']} ({(r['expert_hit_rate'] or 0):.1%})"
     print(f"| {r['ring']} | {r['host_tier'] or '-'} | {r['depth']} | {slots} | {r['kernels']} | {r['attn']} | "
           f"{r['glue']} | {r['ms_per_step']:.3f} | {1e3 / r['ms_per_step']:.1f} |")
+  if failures:
+    sys.exit(f"bench.step: {len(failures)} of {len(cells)} cells failed (their lines above), the table has the rest")
 
 
 if __name__ == "__main__":

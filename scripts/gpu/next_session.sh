@@ -112,8 +112,9 @@ misscb2)  # WHILE / CONDITIONAL command buffers (the loop tests on the device), 
   XLA_FLAGS="$CB" timeout ${TP:-110} $P --cells $OUT/cb-on.jsonl 2>&1 | filt | tail -3
   timeout ${TM:-120} $M --out $OUT/misscb-off.jsonl 2>&1 | filt | tail -3
   XLA_FLAGS="$CB" timeout ${TM:-120} $M --out $OUT/misscb-on.jsonl 2>&1 | filt | tail -3 ;;
-miss)  # the misses' copies a group at a time (lanes) with the first group before the loop (eager), interleaved
-  timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 --interleave \
+miss)  # the misses' copies a group at a time (lanes) with the first group before the loop (eager), one cell after
+  # another (interleaved, three 15,800-slot caches did not fit an 80 GB card: 2026-12-07b c3 ran the first cell only)
+  timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 \
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
     | tee $OUT/miss.log | tail -6 ;;
 fold8)  # the rope fold's q rows at the 30B shape's T = 8 (P = 64 = its ring tile bk: the layout that made seed-mtp's
