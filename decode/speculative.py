@@ -274,9 +274,9 @@ def start_speculative(model, prompt_ids, gen: GenConfig, *, drafter: str = "mtp"
     raise RequestError(f"--mtp_draft: {k}, expected >= 1")
   if k + 1 > qmatmul_pallas.INVARIANT_B and on_gpu():
     logging.warning("k = %d: a verify pass of %d tokens takes smaller quantized-matmul tiles than a one-token step "
-                    "(ops.qmatmul_pallas.INVARIANT_B = %d), so on the GPU its logits may differ from the steps' in "
-                    "the last bits and greedy tokens may deviate from plain decoding", k, k + 1,
-                    qmatmul_pallas.INVARIANT_B)
+                    "(ops.qmatmul_pallas.INVARIANT_B = %d), and the attention kernel's rows differ at 8 (docs/PERF.md "
+                    "2026-12-07 (b)), so on the GPU its logits may differ from the steps' in the last bits and greedy "
+                    "tokens may deviate from plain decoding", k, k + 1, qmatmul_pallas.INVARIANT_B)
   prompt = [int(i) for i in prompt_ids]
   T = len(prompt)
   t0 = time.perf_counter()
