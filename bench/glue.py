@@ -6,7 +6,7 @@ from absl import app
 
 GLUE_USAGE = ("expected on, off, or on with /-separated overrides rope=N, router=P:DC:W:RW, norm=W, "
               "xnat=T:B+T:B or 0, qmm=P, x8=dp4a|int, px8=dp4a|int, dx8=dp4a|int, tier=N, span=N (powers of two), "
-              "fuse=NAME+NAME, miss=L:G")
+              "fuse=NAME+NAME or none, miss=L:G")
 
 
 def glue_options(spec: str):
@@ -27,7 +27,8 @@ def glue_options(spec: str):
                        gate/up tile's BN to 32 and programs to 0); the down type must be one of ops.dot8.TILES
     tier=N             positions per block of attention over a host tier (ops.tuning.Tunings.tier_block)
     span=N             positions per span of it, the pieces a row sees whole (ops.tuning.Tunings.tier_span)
-    fuse=NAME+NAME     work moved into a neighbouring kernel (ops.tuning.FUSIONS; Tunings.fuse)
+    fuse=NAME+NAME     the work moved into a neighbouring kernel (ops.tuning.FUSIONS; Tunings.fuse; default all
+                       of them), or none
     miss=L:G           the expert cache's miss copies in groups of L, the first G groups before its loop
                        (Tunings.miss_lanes, miss_eager)
 
@@ -76,7 +77,7 @@ def glue_options(spec: str):
         for t in qmatmul_pallas.KERNEL_TYPES:
           proj[t]["programs"] = int(val)
       elif key == "fuse":
-        kw["fuse"] = tuple(val.split("+"))
+        kw["fuse"] = () if val == "none" else tuple(val.split("+"))
         Tunings(fuse=kw["fuse"])                           # names from FUSIONS, else ValueError
       elif key == "miss":
         lanes, eager = (int(a) for a in val.split(":"))

@@ -11,6 +11,7 @@ from model.options import Options
 from ops import moe as moe_ops
 from ops.layers import linear
 from ops.qtensor import QTensor
+from ops.tuning import DEFAULT as TUNINGS
 
 _init = nn.initializers.normal(0.02)
 _ones = nn.initializers.ones
@@ -43,8 +44,9 @@ def x8_kw(x8) -> dict:
 
 
 def fuses(opts: Options, name: str) -> bool:
-  """Whether opts' tunings ask for launch fusion `name` (ops.tuning.FUSIONS, `Tunings.fuse`)."""
-  return opts.tunings is not None and name in opts.tunings.fuse
+  """Whether opts' tunings (None: ops.tuning.DEFAULT, every fusion) ask for launch fusion `name`
+  (ops.tuning.FUSIONS, `Tunings.fuse`)."""
+  return name in (opts.tunings or TUNINGS).fuse
 
 
 def kernel_mode(tree) -> str:

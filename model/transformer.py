@@ -157,11 +157,11 @@ class Attention(nn.Module):
 
   def _folds_rope(self, T: int, cache: KVLayer, attn_block: int) -> bool:
     """Whether this pass runs RoPE and the ring write inside the attention kernel: Tunings.fuse "rope", a decode
-    or verify pass whose attention is not forced to the reference, and shapes the folded kernel takes (for decode
-    passes alike at every T <= MAX_T: a step and a verify pass of one request both fold or both do not, as their
-    rows agree bitwise only within one kernel)."""
+    or verify pass whose attention runs the kernel (ops.attention.default_impl), and shapes the folded kernel
+    takes (for decode passes alike at every T <= MAX_T: a step and a verify pass of one request both fold or both
+    do not, as their rows agree bitwise only within one kernel)."""
     c, tun = self.cfg, self.opts.tunings
-    return (fuses(self.opts, "rope") and pick(tun, "attention_impl") != "ref"
+    return (fuses(self.opts, "rope") and attn_ops.default_impl(T, tun) != "ref"
             and rope_attention_pallas.supported(T, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim, attn_block,
                                                 cache.k) is None)
 
@@ -279,10 +279,10 @@ class Pending(NamedTuple):
   pieces: tuple
 
 
-def defers_residual(opts: Options, T: int) -> bool:
+def defers_residual(opts: Options, T: int, glue: str) -> bool:
   """Whether a Decoder over T tokens hands the residual stream on as `Pending` (Tunings.fuse "residual", T within
-  the norm kernel's rows)."""
-  return fuses(opts, "residual") and T <= rmsnorm_pallas.MAX_T
+  the norm kernel's rows, the norms running the kernel: `glue` not "ref")."""
+  return fuses(opts, "residual") and T <= rmsnorm_pallas.MAX_T and glue != "ref"
 
 
 class Block(nn.Module):
@@ -370,7 +370,7 @@ class Decoder(nn.Module):
     embed = _param(self, "token_embd", _init, (c.vocab_size, c.d_model))
     x = _embed(embed, tokens_T)
     kept = []
-    defer = defers_residual(self.opts, x.shape[0])
+    defer = defers_residual(self.opts, x.shape[0], glue_impl(self.variables.get("params", {}), self.opts))
     for i in range(c.n_layers):
       blk = Block(c, i, self.opts, attn_block=attn_block, keep=self.keep, defer=defer, name=f"blk_{i}")
       if c.is_recurrent(i):

@@ -21,13 +21,15 @@
 # A cell's seeds split over calls (FIRST=1 SEEDS=2: seeds 1 and 2), e.g. the 32K cell's missing ones:
 #   ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 bash scripts/gpu/hybrid_seed4.sh   (then BS,BR,BN FIRST=2 SEEDS=1)
 # The table of all calls: python -m bench.cells --report a.jsonl,b.jsonl,c.jsonl --arms seed4
+# GLUE (bench.cells --glue) defaults to on/fuse=none: every seed of the cells recorded before the launch fusions became
+# the default (2026-12-07) ran unfused, and a cell's missing seeds run as its others did.
 set -o pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 ONLY=${ONLY:-AR}; DEPTH=${DEPTH:-1024}
 timeout ${TO:-560} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --arms seed4 --only $ONLY \
   --depths $DEPTH --expert_cache auto --device_budget 24GiB --max_context 139264 --max_new_tokens ${NEW:-256} \
-  --seeds ${SEEDS:-3} --first_seed ${FIRST:-0} --compile_jobs ${JOBS:-1} ${REUSE:+--reuse_prefill} ${PROFILE:+--trace $OUT/prof} --cells $OUT/seed4-$DEPTH-${ONLY//,/}.jsonl 2>&1 | grep --line-buffered -v "it/s\]\|random params" \
+  --seeds ${SEEDS:-3} --first_seed ${FIRST:-0} --glue ${GLUE:-on/fuse=none} --compile_jobs ${JOBS:-1} ${REUSE:+--reuse_prefill} ${PROFILE:+--trace $OUT/prof} --cells $OUT/seed4-$DEPTH-${ONLY//,/}.jsonl 2>&1 | grep --line-buffered -v "it/s\]\|random params" \
   | tee $OUT/seed4-$DEPTH-${ONLY//,/}.log | tail -30
 # PROFILE=1: each arm's traced decode request (bench.cells --trace) as one tarball; read it here with
 #   python scripts/gpu/trace_summary.py <arm>/plugins/profile/*/perfetto_trace.json.gz --steps 31 --gaps 50

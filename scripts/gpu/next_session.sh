@@ -5,9 +5,10 @@
 # $OUT as JSONL + logs; docs/PERF.md says which table each feeds. Every step has its own timeout so one slow
 # step cannot eat the others' output; the JSONL records survive a timeout, the filtered logs do not.
 #
-# Still open, in the order to run them (2026-12-07: hybinv and hybfix ran on an H100, PERF "The rope fold in every pass";
-# FIRST now: misscb2, then the 30B shape's fold at T = 5..8 (`batch_invariance.py --preset qwen3moe-30b-a3b --T 8
-# --glue on/fuse=residual+router+topk+rope` with TI >= 400), then fuse2, seed32b, seed128b, seed128c):
+# Since 2026-12-07 (b) every launch fusion is on by default: `--glue on` is the bundle F, `on/fuse=none` the unfused
+# kernels; the parts below written before it read "on" as unfused (their PERF sections say so).
+# Still open, in the order to run them (2026-12-07 (b): fold8, misscb2 and miss ran, PERF "No verify pass of 8 rows";
+# miss again as it is now (its cells one after another), then seed32b, seed128b, seed128c, fuse2):
 #   misscb2   issue 26 item 5: WHILE / CONDITIONAL command buffers on a resident request and the cached step, each
 #             beside the default (~7 min; 2026-12-07 c4 ran it cut to 65 s a request: too short for the first)
 #   hybfix    (ran 2026-12-07 c3: 96/96 with x8 + dx8 + F; its rows ran out of 220 s) issue 26/27: the rope fold
@@ -123,9 +124,9 @@ fold8)  # the rope fold's q rows at the 30B shape's T = 8 (P = 64 = its ring til
   timeout ${TI:-500} python3 scripts/gpu/batch_invariance.py --preset qwen3moe-30b-a3b --layers 2 --T 8 --proj_types Q8_0 \
     --moe_types IQ3_S --x8 dp4a --glue on/$F,on/x8=dp4a/dx8=dp4a/$F 2>&1 | grep -vE "^(W|I)[0-9]" \
     | tee $OUT/fold8-inv.txt | grep -E "trunk|DIFF|fuse rope" ;;
-fuse2)  # the bundle's members: topk alone, the bundle less residual, and the bundle, interleaved
+fuse2)  # the bundle's members: none, topk alone, the bundle less residual, and the bundle (the default), interleaved
   for x in IQ3_S Q4_K; do
-    timeout ${TS:-150} $S30 --experts $x --glue on,on/fuse=topk,on/fuse=router+topk+rope,on/fuse=residual+router+topk+rope \
+    timeout ${TS:-150} $S30 --experts $x --glue on/fuse=none,on/fuse=topk,on/fuse=router+topk+rope,on \
       --interleave --repeats 5 --cells 4096:1024:auto:pallas 2>&1 | filt | tee -a $OUT/fuse2-step.log | tail -6
   done ;;
 seed32a)  ONLY=AS,AR,AN FIRST=1 SEEDS=2 JOBS=3 REUSE=1 DEPTH=32768 TO=545 bash scripts/gpu/hybrid_seed4.sh ;;

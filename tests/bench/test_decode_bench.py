@@ -355,6 +355,7 @@ from model.kv_ring import KVRing
 from model.writer import quant_policy, random_params
 from ops import attention_pallas, qmatmul_pallas
 from ops.qtensor import with_kernels
+from ops.tuning import FUSIONS
 on, t = glue.glue_options("on/rope=1/router=64:2048:8:1/xnat=Q4_K:4")
 assert on and t.rope_write.q_programs == 1 and t.router.programs == 64 and t.router.route_warps == 1
 assert t.pick("qmatmul", "Q4_K").natural_b == 4 and t.pick("qmatmul", "Q8_0").natural_b == 0
@@ -371,7 +372,8 @@ t = glue.glue_options("on/px8=int")[1]
 assert t.pick("qmatmul", "Q8_0").x8 == "int" and t.pick("qmatmul", "Q6_K").x8 is None and t.moe is None
 assert glue.glue_options("on/tier=16384")[1].tier_block == 16384 and glue.glue_options("on")[1].tier_block is None
 assert glue.glue_options("on/tier=4096/span=4096")[1].tier_span == 4096
-assert glue.glue_options("on/fuse=residual+topk")[1].fuse == ("residual", "topk") and glue.glue_options("on")[1].fuse == ()
+assert glue.glue_options("on/fuse=residual+topk")[1].fuse == ("residual", "topk")
+assert glue.glue_options("on")[1].fuse == FUSIONS and glue.glue_options("on/fuse=none")[1].fuse == ()
 assert glue.glue_options("on/norm=8")[1].rmsnorm.num_warps == 8
 o = step.cell_options("on", "bf16x2/16/4/1")
 assert o.tunings.attention_impl == "pallas"
