@@ -1,5 +1,10 @@
-"""Speculative decoding: draft k tokens, verify them in one forward pass of k + 1 positions, keep the longest
+"""Speculative decoding: draft k tokens, verify them in a forward pass of k + 1 positions, keep the longest
 accepted prefix plus the target's own next token.
+
+A verify pass runs at most VERIFY_ROWS positions at a time (k = 3 and below: one pass), so that every row is
+computed as a one-token step computes it on the GPU too: the quantized matmuls keep their tiles up to
+ops.qmatmul_pallas.INVARIANT_B rows, and neither they nor the attention kernel's rows are the steps' bitwise at 8
+rows (docs/PERF.md 2026-12-07 (b)). A longer verify is that many passes in a row, like prefill chunks.
 
 A round is one jitted function and the decode loop is a `lax.while_loop` over rounds with a static-size
 history buffer and a donated state. Invariants (each a test):
@@ -35,7 +40,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from flax import struct
 
 from decode import drafters
@@ -46,7 +50,10 @@ from model import api
 from model.state import ModelState
 from model.config import ModelConfig
 from model.options import DEFAULT, Options
-from ops import on_gpu, qmatmul_pallas
+from model.recurrent import RecurrentLayer
+from ops import qmatmul_pallas
+
+VERIFY_ROWS = qmatmul_pallas.INVARIANT_B    # positions per verify pass (batch invariant on the GPU up to here)
 
 
 @struct.dataclass
@@ -131,6 +138,25 @@ def verify_sample(p_SV, q_SV, d_S, valid_S, key):
   return n_acc, jax.random.categorical(k_res, jnp.log(res)).astype(jnp.int32)
 
 
+def verify_pass(params, tokens_S, state: ModelState, *, cfg: ModelConfig, options: Options = DEFAULT):
+  """api.forward(..., keep_states=True) over the S = k + 1 verify tokens, in passes of at most VERIFY_ROWS
+  positions, their outputs joined: (logits [S, V], hidden [S, D], state, kept per-token recurrent states or None)."""
+  S = tokens_S.shape[0]
+  if S <= VERIFY_ROWS:
+    return api.forward(params, tokens_S, state, cfg=cfg, options=options, keep_states=True)
+  parts = []
+  for c in range(0, S, VERIFY_ROWS):
+    lg, h, state, kp = api.forward(params, tokens_S[c:c + VERIFY_ROWS], state, cfg=cfg, options=options,
+                                   keep_states=True)
+    parts.append((lg, h, kp))
+  cat = lambda xs: jnp.concatenate(xs, axis=0)    # noqa: E731
+  kept = None
+  if parts[0][2] is not None:
+    kept = tuple(RecurrentLayer(last.conv, last.delta, cat([p[2][i].conv_T for p in parts]),
+                                cat([p[2][i].delta_T for p in parts])) for i, last in enumerate(parts[-1][2]))
+  return cat([p[0] for p in parts]), cat([p[1] for p in parts]), state, kept
+
+
 def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int, drafter: str,
                temperature: float, top_p: float, options: Options = DEFAULT) -> SpecState:
   P = s.model.ring.length
@@ -155,7 +181,7 @@ def spec_round(params, s: SpecState, replay, eos_id, *, cfg: ModelConfig, k: int
   keep = model.recurrent is not None
 
   def verify(m):
-    return api.forward(params, jnp.concatenate([tok[None], d]), m, cfg=cfg, options=options, keep_states=True)
+    return verify_pass(params, jnp.concatenate([tok[None], d]), m, cfg=cfg, options=options)
 
   def rows(x):
     return jnp.broadcast_to(x, (k + 1,) + x.shape[1:])
@@ -272,11 +298,6 @@ def start_speculative(model, prompt_ids, gen: GenConfig, *, drafter: str = "mtp"
     raise RequestError(f"--draft mtp: the model ({cfg.arch}) has no NextN block")
   if k < 1:
     raise RequestError(f"--mtp_draft: {k}, expected >= 1")
-  if k + 1 > qmatmul_pallas.INVARIANT_B and on_gpu():
-    logging.warning("k = %d: a verify pass of %d tokens takes smaller quantized-matmul tiles than a one-token step "
-                    "(ops.qmatmul_pallas.INVARIANT_B = %d), and the attention kernel's rows differ at 8 (docs/PERF.md "
-                    "2026-12-07 (b)), so on the GPU its logits may differ from the steps' in the last bits and greedy "
-                    "tokens may deviate from plain decoding", k, k + 1, qmatmul_pallas.INVARIANT_B)
   prompt = [int(i) for i in prompt_ids]
   T = len(prompt)
   t0 = time.perf_counter()

@@ -1,8 +1,9 @@
 """Speculative decoding over a hybrid model's recurrent layers (qwen3next, qwen35moe tiny files): a verify pass of
 k + 1 tokens moves every Gated DeltaNet layer's state k + 1 steps, and the round must leave exactly the state that
 plain decoding of the accepted tokens leaves (a ring masks rejected positions; a recurrent state cannot). Checked
-against plain greedy decoding: the same tokens for NextN, lookup and replay drafts, k = 1..4, bf16 and int8 KV, two
-ring capacities and a host tier; replay accepts every draft; acceptance is the same across ring capacities."""
+against plain greedy decoding: the same tokens for NextN, lookup and replay drafts, k = 1..4 (and 6: a verify in two
+passes, decode.speculative.VERIFY_ROWS), bf16 and int8 KV, two ring capacities and a host tier; replay accepts every
+draft; acceptance is the same across ring capacities."""
 from __future__ import annotations
 
 import functools
@@ -43,7 +44,8 @@ def _corrupt(ids: list[int], every: int = 3) -> list[int]:
 @pytest.mark.parametrize("arch,drafter,k,kv", [
     ("qwen3next", "partial", 3, "int8"), ("qwen3next", "partial", 4, "bf16"), ("qwen35moe", "partial", 2, "bf16"),
     ("qwen3next", "replay", 1, "bf16"), ("qwen35moe", "replay", 4, "int8"), ("qwen3next", "mtp", 3, "bf16"),
-    ("qwen35moe", "mtp", 1, "int8"), ("qwen35moe", "lookup", 3, "int8")])
+    ("qwen35moe", "mtp", 1, "int8"), ("qwen35moe", "lookup", 3, "int8"), ("qwen3next", "partial", 6, "int8"),
+    ("qwen35moe", "replay", 6, "bf16")])
 def test_greedy_speculative_equals_plain_greedy(arch, drafter, k, kv):
   """"partial": replay drafts that are wrong at every third token, so rounds accept a prefix and reject the rest,
   the case where the recurrent state must be rolled back to the middle of the verify pass."""
@@ -151,3 +153,37 @@ def test_rounds_with_the_rope_fold_beside_a_tier_equal_plain_greedy(monkeypatch)
   assert r.ids == plain
   assert 0 < sum(r.stats["drafts_accepted"]) < sum(r.stats["drafts_proposed"])
   assert {(1, True), (4, True)} <= seen, seen            # steps and verify passes, beside the tier
+
+
+def test_a_long_verify_runs_in_passes_of_verify_rows():
+  """k = 6: the 7 verify tokens go through the trunk as passes of 4 and 3 (decode.speculative.VERIFY_ROWS, the
+  rows the GPU kernels keep batch invariant), and the joined outputs are one 7-token pass's: logits and hidden
+  within float32 summation order, the per-token recurrent states after each token alike, and the state after token
+  5 the state a 6-token pass leaves."""
+  import jax
+  import jax.numpy as jnp
+  from decode import speculative as sp
+  from model import api
+  m = _model("qwen3next")
+  toks = jnp.asarray(_prompt(27), jnp.int32)
+  _, _, st = api.prefill(m.params, toks[:20], api.init_state(m.cfg, 256, "bf16", scratch=8), cfg=m.cfg)
+  seen, real = [], api.forward
+  try:
+    api.forward = lambda p, t, *a, **kw: seen.append(t.shape[0]) or real(p, t, *a, **kw)
+    lg, h, _, kept = sp.verify_pass(m.params, toks[20:], jax.tree.map(jnp.copy, st), cfg=m.cfg)
+  finally:
+    api.forward = real
+  assert seen == [4, 3]
+  lg1, h1, _, kept1 = api.forward(m.params, toks[20:], jax.tree.map(jnp.copy, st), cfg=m.cfg, keep_states=True)
+  scale = float(jnp.abs(lg1).max())
+  np.testing.assert_allclose(np.asarray(lg), np.asarray(lg1), rtol=0, atol=1e-4 * scale)
+  np.testing.assert_allclose(np.asarray(h), np.asarray(h1), rtol=0, atol=1e-4 * float(jnp.abs(h1).max()))
+  assert len(kept) == len(kept1) == len(m.cfg.recurrent_layers)
+  for a, b in zip(kept, kept1):
+    assert a.delta_T.shape == b.delta_T.shape and a.delta_T.shape[0] == 7
+    np.testing.assert_allclose(np.asarray(a.delta_T), np.asarray(b.delta_T), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(a.conv_T, np.float32), np.asarray(b.conv_T, np.float32), rtol=0, atol=1e-4)
+  _, _, six = api.forward(m.params, toks[20:26], jax.tree.map(jnp.copy, st), cfg=m.cfg)
+  sel = api.select_recurrent(st, kept, 5).recurrent
+  for a, b in zip(sel.delta, six.recurrent.delta):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)

@@ -39,7 +39,8 @@ def _plain(kv: str, cap: int):
 
 
 CASES = [("mtp", 1, "bf16", 1024), ("mtp", 2, "int8", 2048), ("mtp", 3, "bf16", 2048), ("mtp", 4, "int8", 1024),
-         ("lookup", 3, "bf16", 1024), ("lookup", 2, "int8", 2048), ("replay", 3, "int8", 1024), ("replay", 4, "bf16", 2048)]
+         ("lookup", 3, "bf16", 1024), ("lookup", 2, "int8", 2048), ("replay", 3, "int8", 1024), ("replay", 4, "bf16", 2048),
+         ("replay", 6, "int8", 1024)]   # k = 6: the verify in two passes (decode.speculative.VERIFY_ROWS)
 
 
 @pytest.mark.parametrize("drafter,k,kv,cap", CASES)
