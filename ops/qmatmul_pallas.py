@@ -342,9 +342,9 @@ STEP_BUDGET_OF = {"IQ3_S": 32768}
 
 # Batch invariance (DESIGN invariant 3): a verify pass of k + 1 tokens must compute each of its rows exactly as a
 # one-token step does. A row's partial sums are grouped by the tile (BN, S) and the tile shrinks with the batch, so
-# every batch up to INVARIANT_B takes the tiles of INVARIANT_B: 4 covers k <= 3 (the default k and the seed's). A
-# longer verify pass may take smaller tiles than the steps, and its rows may then differ in the last bits on the
-# GPU (the engine logs a warning for such k). Q8_0 keeps its B = 1 tiles up to B = 4 (S = 32 either way).
+# every batch up to INVARIANT_B takes the tiles of INVARIANT_B: 4 covers k <= 3 (the default k and the seed's), and
+# decode.speculative runs a longer verify as passes of at most INVARIANT_B rows (VERIFY_ROWS). Q8_0 keeps its B = 1
+# tiles up to B = 4 (S = 32 either way).
 INVARIANT_B = 4
 
 
