@@ -3,7 +3,8 @@
 Decoding one token at batch 1 is memory-bound: a plain step reads every weight of the main model once (the token
 embedding only one row), the routed experts of that token (top_k per MoE layer) and the K/V of the live
 positions. A verify round of k drafts runs the main model on k + 1 tokens, reading the same weights once but the
-*union* of the k + 1 tokens' experts: up to (k + 1) * top_k per layer. With routing spread uniformly over E
+*union* of the k + 1 tokens' experts: up to (k + 1) * top_k per layer (for k >= 4 once per pass: the engine
+verifies at most decode.speculative.VERIFY_ROWS tokens a pass). With routing spread uniformly over E
 experts, a layer's expected number of distinct experts is E * (1 - (1 - top_k / E) ** (k + 1)); real routers are
 more concentrated, so this is an upper estimate of the union. An MTP drafter adds k steps of the NextN block (its
 attention, its routed experts and the output head); lookup and replay drafts cost no weights.
@@ -61,12 +62,14 @@ def weight_groups(params, cfg: ModelConfig) -> dict[str, int]:
 def bytes_model(params, cfg: ModelConfig, k: int, drafter: str, kv_bytes: int = 0) -> dict:
   """Bytes of a plain step and of a verify round with k drafts from `drafter` (mtp | lookup | replay), plus the
   speed-up the byte ratio predicts for 1 .. k + 1 tokens per round. kv_bytes: K/V bytes read per token position
-  step (added to both; a round reads the cache once for its k + 1 queries)."""
+  step (added to both; a round reads the cache once per verify pass)."""
+  from decode.speculative import VERIFY_ROWS
   g = weight_groups(params, cfg)
   E, K = cfg.n_experts, cfg.top_k
   step = g["main"] + K * g["expert_per_layer_sum"] + g["embed_row"] + kv_bytes
-  verify = (g["main"] + expected_distinct(E, K, k + 1) * g["expert_per_layer_sum"] + (k + 1) * g["embed_row"]
-            + kv_bytes)
+  passes = [min(VERIFY_ROWS, k + 1 - c) for c in range(0, k + 1, VERIFY_ROWS)]     # tokens of each verify pass
+  verify = sum(g["main"] + expected_distinct(E, K, n) * g["expert_per_layer_sum"] + n * g["embed_row"] + kv_bytes
+               for n in passes)
   draft = 0.0
   if drafter == "mtp":   # each draft: the NextN block with its own routed experts, then the output head
     draft = k * (g["nextn"] + K * g["nextn_expert"] + g["head"] + g["embed_row"])

@@ -36,3 +36,8 @@ def test_bytes_model_on_default_model():
   mtp = round_model.bytes_model(m.params, m.cfg, k=3, drafter="mtp")
   assert mtp["draft_bytes"] == pytest.approx(3 * (g["nextn"] + K * g["nextn_expert"] + g["head"] + g["embed_row"]))
   assert mtp["predicted_speedup"][4] == pytest.approx(4 * mtp["step_bytes"] / mtp["round_bytes"])
+  # k = 6: the verify in passes of 4 and 3 tokens (decode.speculative.VERIFY_ROWS), each reading the weights
+  six = round_model.bytes_model(m.params, m.cfg, k=6, drafter="replay")
+  E, X = m.cfg.n_experts, g["expert_per_layer_sum"]
+  want = sum(g["main"] + round_model.expected_distinct(E, K, n) * X + n * g["embed_row"] for n in (4, 3))
+  assert six["verify_bytes"] == pytest.approx(want) and six["verify_bytes"] > 2 * g["main"]
