@@ -8,7 +8,9 @@
 # Since 2026-12-07 (b) every launch fusion is on by default: `--glue on` is the bundle F, `on/fuse=none` the unfused
 # kernels; the parts below written before it read "on" as unfused (their PERF sections say so).
 # Still open, in the order to run them (2026-12-07 (b): fold8, misscb2 and miss ran, PERF "No verify pass of 8 rows";
-# miss again as it is now (its cells one after another), then seed32b, seed128b, seed128c, fuse2):
+# miss again as it is now (its cells one after another), then seed32b, seed128b, seed128c, k6, fuse2):
+#   k6        replay k = 3 against k = 6 (a verify in two passes of decode.speculative.VERIFY_ROWS since f13b789) and
+#             plain on seed-mtp at 1K, everything resident, the default glue (~4 min)
 #   misscb2   issue 26 item 5: WHILE / CONDITIONAL command buffers on a resident request and the cached step, each
 #             beside the default (~7 min; 2026-12-07 c4 ran it cut to 65 s a request: too short for the first)
 #   hybfix    (ran 2026-12-07 c3: 96/96 with x8 + dx8 + F; its rows ran out of 220 s) issue 26/27: the rope fold
@@ -118,6 +120,9 @@ miss)  # the misses' copies a group at a time (lanes) with the first group befor
   timeout ${TM:-280} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 5 \
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
     | tee $OUT/miss.log | tail -6 ;;
+k6)  # the two-pass verify's cost: plain, replay k = 3 (one pass) and k = 6 (passes of 4 and 3), accepted 100 %
+  timeout ${TR:-300} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3,replay@6 \
+    --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 1 --cells $OUT/k6.jsonl 2>&1 | filt | tee $OUT/k6.log | tail -6 ;;
 fold8)  # the rope fold's q rows at the 30B shape's T = 8 (P = 64 = its ring tile bk: the layout that made seed-mtp's
   # T = 3, 4 passes differ before da3050f), F and x8 + dx8 + F: the rows and a 2-layer trunk's 8-token pass against its steps
   F=fuse=residual+router+topk+rope
