@@ -63,13 +63,12 @@ def bytes_model(params, cfg: ModelConfig, k: int, drafter: str, kv_bytes: int = 
   """Bytes of a plain step and of a verify round with k drafts from `drafter` (mtp | lookup | replay), plus the
   speed-up the byte ratio predicts for 1 .. k + 1 tokens per round. kv_bytes: K/V bytes read per token position
   step (added to both; a round reads the cache once per verify pass)."""
-  from decode.speculative import VERIFY_ROWS
+  from decode.speculative import verify_chunks
   g = weight_groups(params, cfg)
   E, K = cfg.n_experts, cfg.top_k
   step = g["main"] + K * g["expert_per_layer_sum"] + g["embed_row"] + kv_bytes
-  passes = [min(VERIFY_ROWS, k + 1 - c) for c in range(0, k + 1, VERIFY_ROWS)]     # tokens of each verify pass
   verify = sum(g["main"] + expected_distinct(E, K, n) * g["expert_per_layer_sum"] + n * g["embed_row"] + kv_bytes
-               for n in passes)
+               for _, n in verify_chunks(k + 1))
   draft = 0.0
   if drafter == "mtp":   # each draft: the NextN block with its own routed experts, then the output head
     draft = k * (g["nextn"] + K * g["nextn_expert"] + g["head"] + g["embed_row"])

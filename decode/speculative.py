@@ -50,7 +50,6 @@ from model import api
 from model.state import ModelState
 from model.config import ModelConfig
 from model.options import DEFAULT, Options
-from model.recurrent import RecurrentLayer
 from ops import qmatmul_pallas
 
 VERIFY_ROWS = qmatmul_pallas.INVARIANT_B    # positions per verify pass (batch invariant on the GPU up to here)
@@ -138,22 +137,23 @@ def verify_sample(p_SV, q_SV, d_S, valid_S, key):
   return n_acc, jax.random.categorical(k_res, jnp.log(res)).astype(jnp.int32)
 
 
+def verify_chunks(S: int) -> list[tuple[int, int]]:
+  """(first position, tokens) of each pass of an S-token verify: passes of VERIFY_ROWS, the last one shorter."""
+  return [(c, min(VERIFY_ROWS, S - c)) for c in range(0, S, VERIFY_ROWS)]
+
+
 def verify_pass(params, tokens_S, state: ModelState, *, cfg: ModelConfig, options: Options = DEFAULT):
-  """api.forward(..., keep_states=True) over the S = k + 1 verify tokens, in passes of at most VERIFY_ROWS
-  positions, their outputs joined: (logits [S, V], hidden [S, D], state, kept per-token recurrent states or None)."""
-  S = tokens_S.shape[0]
-  if S <= VERIFY_ROWS:
-    return api.forward(params, tokens_S, state, cfg=cfg, options=options, keep_states=True)
+  """api.forward(..., keep_states=True) over the S = k + 1 verify tokens, one pass per `verify_chunks(S)`, their
+  outputs joined: (logits [S, V], hidden [S, D], state, kept per-token recurrent states or None)."""
   parts = []
-  for c in range(0, S, VERIFY_ROWS):
-    lg, h, state, kp = api.forward(params, tokens_S[c:c + VERIFY_ROWS], state, cfg=cfg, options=options,
-                                   keep_states=True)
+  for c, n in verify_chunks(tokens_S.shape[0]):
+    lg, h, state, kp = api.forward(params, tokens_S[c:c + n], state, cfg=cfg, options=options, keep_states=True)
     parts.append((lg, h, kp))
   cat = lambda xs: jnp.concatenate(xs, axis=0)    # noqa: E731
-  kept = None
-  if parts[0][2] is not None:
-    kept = tuple(RecurrentLayer(last.conv, last.delta, cat([p[2][i].conv_T for p in parts]),
-                                cat([p[2][i].delta_T for p in parts])) for i, last in enumerate(parts[-1][2]))
+  kept = parts[-1][2]
+  if kept is not None:
+    kept = tuple(last.replace(conv_T=cat([p[2][i].conv_T for p in parts]),
+                              delta_T=cat([p[2][i].delta_T for p in parts])) for i, last in enumerate(kept))
   return cat([p[0] for p in parts]), cat([p[1] for p in parts]), state, kept
 
 

@@ -81,7 +81,8 @@ if "rows" in ONLY:
     report("route_pallas: weights", lambda x: router_pallas.route_pallas(x, wr, bias, interpret=cpu, **rkw)[1], x)
     report("route_pallas: ids", lambda x: router_pallas.route_pallas(x, wr, bias, interpret=cpu, **rkw)[0], x)
     for pq in a.proj_types.split(","):
-      for N, K in ((cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim, D), (D, cfg.n_heads * cfg.head_dim)):
+      qkv_rows = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim
+      for N, K in ((qkv_rows, D), (D, cfg.n_heads * cfg.head_dim)):
         w = QTensor.from_gguf(quant.random_blocks(pq, (N, K), rng, scale=1e-2), pq, K).replace(kernel=kern)
         xx = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
         report(f"qmatmul_pallas {pq} N {N} K {K}", lambda x: qmatmul_pallas.qmatmul_pallas(x, w, interpret=cpu), xx)
@@ -125,7 +126,8 @@ if "attention" in ONLY:
     full = np.asarray(att(q, depth + jnp.arange(T), depth + T))
     rows = np.concatenate([np.asarray(att(q[i:i + 1], depth + i + jnp.arange(1), depth + i + 1)) for i in range(T)])
     dd = float(np.max(np.abs(full - rows)))
-    print(f"{f'attention kernel, int8 ring, depth {depth}':52s} {'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
+    print(f"{f'attention kernel, int8 ring, depth {depth}':52s} "
+          f"{'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
           flush=True)
 
   # the same with RoPE and the ring write inside the kernel (Tunings.fuse rope): the pass against its steps, each step
@@ -185,7 +187,8 @@ if "attention" in ONLY:
     rows = [tier(q[i:i + 1], hi[i:i + 1]) for i in range(T)]
     for j, what in ((0, "out"), (1, "lse")):
       dd = float(np.max(np.abs(np.asarray(full[j]) - np.concatenate([np.asarray(r[j]) for r in rows]))))
-      print(f"{f'tier attention (span {span}): {what}':52s} {'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
+      print(f"{f'tier attention (span {span}): {what}':52s} "
+            f"{'bitwise' if dd == 0 else f'DIFFERS: max |diff| {dd:.3e}'}",
             flush=True)
 
 if "trunk" in ONLY:

@@ -155,7 +155,7 @@ def test_rounds_with_the_rope_fold_beside_a_tier_equal_plain_greedy(monkeypatch)
   assert {(1, True), (4, True)} <= seen, seen            # steps and verify passes, beside the tier
 
 
-def test_a_long_verify_runs_in_passes_of_verify_rows():
+def test_a_long_verify_runs_in_passes_of_verify_rows(monkeypatch):
   """k = 6: the 7 verify tokens go through the trunk as passes of 4 and 3 (decode.speculative.VERIFY_ROWS, the
   rows the GPU kernels keep batch invariant), and the joined outputs are one 7-token pass's: logits and hidden
   within float32 summation order, the per-token recurrent states after each token alike, and the state after token
@@ -168,11 +168,9 @@ def test_a_long_verify_runs_in_passes_of_verify_rows():
   toks = jnp.asarray(_prompt(27), jnp.int32)
   _, _, st = api.prefill(m.params, toks[:20], api.init_state(m.cfg, 256, "bf16", scratch=8), cfg=m.cfg)
   seen, real = [], api.forward
-  try:
-    api.forward = lambda p, t, *a, **kw: seen.append(t.shape[0]) or real(p, t, *a, **kw)
-    lg, h, _, kept = sp.verify_pass(m.params, toks[20:], jax.tree.map(jnp.copy, st), cfg=m.cfg)
-  finally:
-    api.forward = real
+  monkeypatch.setattr(api, "forward", lambda p, t, *a, **kw: seen.append(t.shape[0]) or real(p, t, *a, **kw))
+  lg, h, _, kept = sp.verify_pass(m.params, toks[20:], jax.tree.map(jnp.copy, st), cfg=m.cfg)
+  monkeypatch.setattr(api, "forward", real)
   assert seen == [4, 3]
   lg1, h1, _, kept1 = api.forward(m.params, toks[20:], jax.tree.map(jnp.copy, st), cfg=m.cfg, keep_states=True)
   scale = float(jnp.abs(lg1).max())
