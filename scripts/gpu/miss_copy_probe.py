@@ -1,66 +1,95 @@
 """GPU probe: what one expert-cache miss costs by how its bytes are laid out in the store. A jitted while loop
-over N misses (the shape of `expert_cache.ensure`'s loop), each copying one seed-mtp IQ3_S expert (gate, up, down
-of F = 512 x D = 2048: 1.35 MB) from pinned host memory into a device pool slot:
-  planes: 15 copies, one per plane (5 IQ3_S planes x 3 tensors), as the cache does today;
-  slab:   the same bytes as one [E, bytes] uint8 row, one copy into a slab pool;
-  unpack: one slab copy into a staging row, then its 15 slices written into the 15 plane pools (the lever).
-Prints µs per miss and the bytes' GB/s; one device, seconds.
+over N misses (the shape of `expert_cache.ensure`'s loop), each copying one seed-mtp IQ3_S expert (gate and up of
+F = 512 rows x D = 2048, down of D rows x F: 1.35 MB) from pinned host memory into a device pool slot:
+  planes: 15 copies, one per plane (ops.repack's 5 IQ3_S planes x 3 tensors), as the cache does today;
+  slab:   the same bytes as one [E, bytes] uint8 row, one copy into a slab pool (the copy alone, a floor);
+  rows:   the store as each expert's GGUF bytes (gate, up, down rows end to end), one copy into a staging row,
+          split and repacked on the device (`ops.repack.repack`) into the 15 plane pools: the lever a row store
+          would be. Its pools are checked bytewise equal to the planes variant's (same experts, same slots; the random
+          bytes make NaN scales, so values would not compare).
+Prints µs per miss and the bytes' GB/s; one device, seconds (on CPU the store is device memory: the check alone).
 
-  python scripts/gpu/miss_copy_probe.py
+  python scripts/gpu/miss_copy_probe.py [--n 400] [--repeats 5]
 """
+import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.expert_cache import store_memory_kind
+from ops import quant, repack
 from ops.attention import on_device
 
-E, S, N, F, NB = 512, 64, 400, 512, 8
-PLANES = [2, 64, 8, 32, 4]                   # IQ3_S bytes per superblock: d, qs, qh, signs, scales
-sizes = [F * NB * b for b in PLANES] * 3     # gate, up, down (down: D rows x F/256 blocks: the same bytes)
-total = sum(sizes)
-dev = jax.devices()[0]
-host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-rng = np.random.default_rng(0)
-store_planes = [jax.device_put(rng.integers(0, 255, (E, n), dtype=np.uint8), host) for n in sizes]
-store_slab = jax.device_put(rng.integers(0, 255, (E, total), dtype=np.uint8), host)
-ids = jnp.asarray(rng.integers(0, E, N), jnp.int32)
+E, S, F, D, QT = 512, 64, 512, 2048, "IQ3_S"
+TENSORS = ((F, D), (F, D), (D, F))                       # gate, up, down: (rows, n)
 
 
-def fetch(plane, e):
-  return on_device(jax.lax.dynamic_slice_in_dim(plane, e, 1, axis=0))
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--n", type=int, default=400, help="misses per loop")
+  ap.add_argument("--repeats", type=int, default=5)
+  a = ap.parse_args()
+  dev = jax.devices()[0]
+  host = jax.sharding.SingleDeviceSharding(dev, memory_kind=store_memory_kind(dev))   # CPU: "device"
+  rng = np.random.default_rng(0)
+  row_bytes = [rows * quant.row_bytes(QT, n) for rows, n in TENSORS]
+  total = sum(row_bytes)
+  gguf = rng.integers(0, 255, (E, total), dtype=np.uint8)             # each expert's rows end to end
+  planes_np, off = [], 0
+  for (rows, n), b in zip(TENSORS, row_bytes):
+    planes_np += repack.repack_np(gguf[:, off:off + b].reshape(E, rows, -1), QT, n)
+    off += b
+  store_planes = [jax.device_put(p, host) for p in planes_np]
+  store_rows = jax.device_put(gguf, host)
+  ids = jnp.asarray(rng.integers(0, E, a.n), jnp.int32)
+
+  def fetch(plane, e):
+    return on_device(jax.lax.dynamic_slice_in_dim(plane, e, 1, axis=0))
+
+  def unpacked(row):
+    """[1, total] GGUF bytes -> the 15 planes of one expert, [1, ...] each."""
+    out, off = [], 0
+    for (rows, n), b in zip(TENSORS, row_bytes):
+      out += repack.repack(row[:, off:off + b].reshape(1, rows, -1), QT, n)
+      off += b
+    return out
+
+  def run(kind):
+    def body(c):
+      i, pools = c
+      e, v = ids[i], i % S
+      if kind == "planes":
+        new = [fetch(s, e) for s in store_planes]
+      elif kind == "slab":
+        new = [fetch(store_rows, e)]
+      else:
+        new = unpacked(fetch(store_rows, e))
+      return i + 1, tuple(jax.lax.dynamic_update_slice_in_dim(p, r, v, 0) for p, r in zip(pools, new))
+    shapes = [((S, total), np.uint8)] if kind == "slab" else [((S,) + p.shape[1:], p.dtype) for p in planes_np]
+    f = jax.jit(lambda n, pools: jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), pools))[1],
+                donate_argnums=1)
+    pools = tuple(jnp.zeros(s, dt) for s, dt in shapes)
+    pools = jax.block_until_ready(f(jnp.int32(a.n), pools))           # compile + warm
+    best = []
+    for _ in range(a.repeats):
+      t0 = time.perf_counter()
+      pools = jax.block_until_ready(f(jnp.int32(a.n), pools))
+      best.append(time.perf_counter() - t0)
+    t = min(best) / a.n
+    print(f"{kind:7s}: {t * 1e6:7.1f} us per miss, {total / t / 1e9:5.1f} GB/s ({total / 1e6:.2f} MB a miss)",
+          flush=True)
+    return pools
+
+  ref = run("planes")
+  run("slab")
+  got = run("rows")
+  same = all(np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8)) for x, y in zip(ref, got))
+  print(f"rows' pools == planes' pools: {same}")
+  if not same:
+    raise SystemExit("miss_copy_probe: the rows variant's pools differ from the planes variant's")
 
 
-def run(kind):
-  def body(c):
-    i, pools = c
-    e, v = ids[i], i % S
-    if kind == "planes":
-      pools = tuple(jax.lax.dynamic_update_slice_in_dim(p, fetch(s, e), v, 0) for p, s in zip(pools, store_planes))
-    elif kind == "slab":
-      pools = (jax.lax.dynamic_update_slice_in_dim(pools[0], fetch(store_slab, e), v, 0),)
-    else:
-      row, out, a = fetch(store_slab, e), [], 0
-      for p, n in zip(pools, sizes):
-        out.append(jax.lax.dynamic_update_slice_in_dim(p, row[:, a:a + n], v, 0))
-        a += n
-      pools = tuple(out)
-    return i + 1, pools
-  shapes = [(S, total)] if kind == "slab" else [(S, n) for n in sizes]
-  f = jax.jit(lambda n, pools: jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), pools))[1],
-              donate_argnums=1)
-  pools = tuple(jnp.zeros(s, jnp.uint8) for s in shapes)
-  pools = jax.block_until_ready(f(jnp.int32(N), pools))        # compile + warm
-  best = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    pools = jax.block_until_ready(f(jnp.int32(N), pools))
-    best.append(time.perf_counter() - t0)
-  t = min(best) / N
-  print(f"{kind:7s}: {t * 1e6:7.1f} us per miss, {total / t / 1e9:5.1f} GB/s ({total / 1e6:.2f} MB a miss)")
-  return pools
-
-
-for kind in ("planes", "slab", "unpack"):
-  run(kind)
+if __name__ == "__main__":
+  main()

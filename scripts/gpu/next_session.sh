@@ -8,7 +8,7 @@
 # Since 2026-12-07 (b) every launch fusion is on by default: `--glue on` is the bundle F, `on/fuse=none` the unfused
 # kernels; the parts below written before it read "on" as unfused (their PERF sections say so).
 # Still open, in the order to run them (2026-12-08: miss ran, PERF "The miss copies in groups move nothing"; miss2
-# first, then a trace of the cached step, seed32b, seed128b, seed128c, k6, fuse2; 2026-12-07 (b): fold8, misscb2 and miss ran, PERF "No verify pass of 8 rows";
+# first, then misstrace (a trace of the cached step and the row store probe), seed32b, seed128b, seed128c, k6, fuse2; 2026-12-07 (b): fold8, misscb2 and miss ran, PERF "No verify pass of 8 rows";
 # miss again as it is now (its cells one after another), then seed32b, seed128b, seed128c, k6, fuse2):
 #   k6        replay k = 3 against k = 6 (a verify in two passes of decode.speculative.VERIFY_ROWS since f13b789) and
 #             plain on seed-mtp at 1K, everything resident, the default glue (~4 min)
@@ -126,6 +126,15 @@ miss2)  # rows before the loop one at a time (lanes 1, eager 2 and 3): 2026-12-0
   timeout ${TM:-330} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 3 \
     --glue on,on/miss=1:2,on/miss=1:3 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss2.jsonl 2>&1 | filt \
     | tee $OUT/miss2.log | tail -6 ;;
+misstrace)  # where a cached step's ~23 ms beyond the resident step goes: a trace of the step through 15,800 slots (the
+  # copies' own time, the gaps after each loop test), then the miss copy probe with the row store's variant (one copy
+  # a miss, repacked on the device into the 15 planes, checked bytewise against the planes' copies); ~4 min
+  timeout ${TM:-200} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 16 --repeats 2 --glue on \
+    --cells 4096:1024:auto:pallas::15800 --out $OUT/misstrace.jsonl --profile $OUT/prof 2>&1 | filt | tail -4
+  for f in $(find $OUT/prof -name perfetto_trace.json.gz); do
+    python3 scripts/gpu/trace_summary.py $f --steps 16 --top 40 --gaps 30; done 2>&1 | tee $OUT/misstrace.txt | head -90
+  rm -rf $OUT/prof
+  timeout ${TP:-120} python3 scripts/gpu/miss_copy_probe.py 2>&1 | grep -vE "^(W|I)[0-9]" | tee $OUT/miss_copy.txt ;;
 k6)  # the two-pass verify's cost: plain, replay k = 3 (one pass) and k = 6 (passes of 4 and 3), accepted 100 %
   timeout ${TR:-300} python3 -m bench.cells --preset seed-mtp --in_memory --kernels pallas --drafts none,replay@3,replay@6 \
     --depths 1024 --rings 4096 --max_new_tokens 128 --seeds 1 --cells $OUT/k6.jsonl 2>&1 | filt | tee $OUT/k6.log | tail -6 ;;
