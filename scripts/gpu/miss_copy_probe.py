@@ -24,6 +24,16 @@ from ops.attention import on_device
 
 E, S, F, D, QT = 512, 64, 512, 2048, "IQ3_S"
 TENSORS = ((F, D), (F, D), (D, F))                       # gate, up, down: (rows, n)
+ROW_BYTES = [rows * quant.row_bytes(QT, n) for rows, n in TENSORS]
+
+
+def split(x, repack_fn):
+  """[k, sum(ROW_BYTES)] GGUF bytes (each expert's gate, up, down rows end to end) -> the 15 planes, [k, ...] each."""
+  out, off = [], 0
+  for (rows, n), b in zip(TENSORS, ROW_BYTES):
+    out += repack_fn(x[:, off:off + b].reshape(x.shape[0], rows, -1), QT, n)
+    off += b
+  return out
 
 
 def main():
@@ -34,27 +44,15 @@ def main():
   dev = jax.devices()[0]
   host = jax.sharding.SingleDeviceSharding(dev, memory_kind=store_memory_kind(dev))   # CPU: "device"
   rng = np.random.default_rng(0)
-  row_bytes = [rows * quant.row_bytes(QT, n) for rows, n in TENSORS]
-  total = sum(row_bytes)
+  total = sum(ROW_BYTES)
   gguf = rng.integers(0, 255, (E, total), dtype=np.uint8)             # each expert's rows end to end
-  planes_np, off = [], 0
-  for (rows, n), b in zip(TENSORS, row_bytes):
-    planes_np += repack.repack_np(gguf[:, off:off + b].reshape(E, rows, -1), QT, n)
-    off += b
+  planes_np = split(gguf, repack.repack_np)
   store_planes = [jax.device_put(p, host) for p in planes_np]
   store_rows = jax.device_put(gguf, host)
   ids = jnp.asarray(rng.integers(0, E, a.n), jnp.int32)
 
   def fetch(plane, e):
     return on_device(jax.lax.dynamic_slice_in_dim(plane, e, 1, axis=0))
-
-  def unpacked(row):
-    """[1, total] GGUF bytes -> the 15 planes of one expert, [1, ...] each."""
-    out, off = [], 0
-    for (rows, n), b in zip(TENSORS, row_bytes):
-      out += repack.repack(row[:, off:off + b].reshape(1, rows, -1), QT, n)
-      off += b
-    return out
 
   def run(kind):
     def body(c):
@@ -65,7 +63,7 @@ def main():
       elif kind == "slab":
         new = [fetch(store_rows, e)]
       else:
-        new = unpacked(fetch(store_rows, e))
+        new = split(fetch(store_rows, e), repack.repack)
       return i + 1, tuple(jax.lax.dynamic_update_slice_in_dim(p, r, v, 0) for p, r in zip(pools, new))
     shapes = [((S, total), np.uint8)] if kind == "slab" else [((S,) + p.shape[1:], p.dtype) for p in planes_np]
     f = jax.jit(lambda n, pools: jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), pools))[1],

@@ -7,9 +7,9 @@
 #
 # Since 2026-12-07 (b) every launch fusion is on by default: `--glue on` is the bundle F, `on/fuse=none` the unfused
 # kernels; the parts below written before it read "on" as unfused (their PERF sections say so).
-# Still open, in the order to run them (2026-12-08: miss ran, PERF "The miss copies in groups move nothing"; miss2
-# first, then misstrace (a trace of the cached step and the row store probe), seed32b, seed128b, seed128c, k6, fuse2; 2026-12-07 (b): fold8, misscb2 and miss ran, PERF "No verify pass of 8 rows";
-# miss again as it is now (its cells one after another), then seed32b, seed128b, seed128c, k6, fuse2):
+# Still open, in the order to run them (2026-12-08): miss2, misstrace (a trace of the cached step and the row store
+# probe), seed32b, seed128c (warm, right after seed32b: the same ring), seed128b, k6, fuse2. Ran: 2026-12-08 miss
+# (PERF "The miss copies in groups move nothing"); 2026-12-07 (b) fold8, misscb2, miss (PERF "No verify pass of 8 rows"):
 #   k6        replay k = 3 against k = 6 (a verify in two passes of decode.speculative.VERIFY_ROWS since f13b789) and
 #             plain on seed-mtp at 1K, everything resident, the default glue (~4 min)
 #   misscb2   issue 26 item 5: WHILE / CONDITIONAL command buffers on a resident request and the cached step, each
@@ -122,7 +122,7 @@ miss)  # the misses' copies a group at a time (lanes) with the first group befor
     --glue on,on/miss=4:1,on/miss=10:1 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss.jsonl 2>&1 | filt \
     | tee $OUT/miss.log | tail -6 ;;
 miss2)  # rows before the loop one at a time (lanes 1, eager 2 and 3): 2026-12-08 c1 put a row's copy at ~90 µs and a loop
-  # test at ~50 µs in the cached step; with 3.4 misses a layer, eager rows that skip 2-3 tests should win 9-28 %
+  # test at ~45 µs in the cached step; with 3.4 misses a layer, eager rows that skip 2-3 tests should win 9-28 %
   timeout ${TM:-330} python3 -m bench.step --preset seed-mtp --kernels pallas --steps 32 --repeats 3 \
     --glue on,on/miss=1:2,on/miss=1:3 --cells 4096:1024:auto:pallas::15800 --out $OUT/miss2.jsonl 2>&1 | filt \
     | tee $OUT/miss2.log | tail -6 ;;
